@@ -1,0 +1,1 @@
+"""yeto-diloco: DiLoCo-style training across Megatron islands that meet through a central syncer."""

@@ -1,0 +1,1 @@
+"""Island side: client, export/apply transfers and the step boundary."""

@@ -1,0 +1,1 @@
+"""The syncer: merges fragment deltas from islands with an outer Nesterov optimizer."""
