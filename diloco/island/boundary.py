@@ -1,0 +1,395 @@
+"""The island's DiLoCo driver: start-up (INIT, initial cut), the step boundary, finalization.
+
+Every rank of an island builds one :class:`Island` and calls, in this order:
+
+* :meth:`Island.start` once before the first training step — plan, fingerprint, HELLO,
+  INIT when the syncer asks for it (streamed, overlapping the gather of fragment k+1 with
+  the send of fragment k), then the initial cut;
+* :meth:`Island.step_end` right after every ``optimizer.step()`` — the step boundary;
+* :meth:`Island.finish` once after the last step — the final cut and shutdown.
+
+Only the sync rank talks to the syncer (through :class:`SyncClient`); it turns what the
+client parked into :class:`Orders` and broadcasts them, and every rank executes the same
+collectives in the same order. Inside a boundary the order is fixed: **apply** every
+received fragment first (blend, new anchor), then **answer pulls** (export ``local −
+anchor``); a pull of a fragment is answered only after at least one local step since that
+fragment's last apply, so a push never carries a zero delta that would drag the mean.
+
+Failure semantics: anything fatal seen by the sync rank (a refusal, a timeout) is turned
+into ``Orders.error`` and raised on every rank together, so no rank is left waiting in a
+collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diloco import wire
+from diloco.config import IslandConfig
+from diloco.island.client import PendingBcast, SyncClient, SyncError
+from diloco.island.orders import Orders, broadcast_orders
+from diloco.island.transfer import FragmentTransfer
+from diloco.layout.base import LayoutAdapter
+from diloco.plan import FragmentPlan, layout_fingerprint, make_plan
+from diloco.steplog import StepLog, StepRecord
+
+log = logging.getLogger(__name__)
+
+Tensors = list[tuple[str, torch.Tensor]]
+
+_INIT_INFLIGHT = 2
+"""Fragments the sync rank may hold during INIT: one being sent, one being gathered."""
+
+
+class IslandError(RuntimeError):
+    """Raised on every rank of the island together when syncing cannot go on."""
+
+
+@dataclass
+class _Counters:
+    pushes: int = 0
+    applies: int = 0
+    round: int = 0
+    attempt: int = -1
+
+
+class Island:
+    """DiLoCo for one island; build on every rank (collective: it may create a group).
+
+    Args:
+        config: the island configuration (``IslandConfig.from_env()``).
+        layout: how this rank's parameters map onto canonical global tensors.
+        group: a CPU (gloo) group over every rank of the island; created when None.
+        tokens_per_step: tokens one optimizer step consumes (weights pushes); falls back to
+            ``config.tokens_per_step``, then to 1 (pushes weigh by steps).
+    """
+
+    def __init__(self, config: IslandConfig, layout: LayoutAdapter, *, group: dist.ProcessGroup | None = None,
+                 tokens_per_step: int | None = None) -> None:
+        self.cfg = config
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.rank = dist.get_rank(self.group)
+        self.is_sync = self.rank == config.sync_rank
+        self.plan: FragmentPlan = make_plan(layout.canonical_specs(), config.fragments)
+        self.fingerprint = layout_fingerprint(self.plan)
+        self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank)
+        self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
+        n = self.plan.n_fragments
+        # Identical on every rank: updated only from broadcast orders.
+        self.versions = [-1] * n
+        self.applied_round = [0] * n
+        self.steps_since_apply = [0] * n
+        self.step = 0
+        # Sync rank only.
+        self.client: SyncClient | None = None
+        self._pulls: dict[int, wire.Pull] = {}
+        self._pending: dict[int, PendingBcast] = {}
+        self._pushed_at: dict[tuple[int, int], int] = {}
+        self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
+        self._counters = _Counters()
+        self._last_end = time.monotonic()
+        self._sent0 = self._recv0 = 0
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        """Connect, stream INIT if asked, install the initial cut (collective)."""
+        need_init = False
+        error: str | None = None
+        if self.is_sync:
+            self.client = SyncClient(self.cfg, self.fingerprint, self.plan.n_fragments)
+            try:
+                welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
+                need_init = welcome.need_init and self.cfg.island_id == 0
+                log.info("island %d joined the syncer: %d fragments, versions %s%s", self.cfg.island_id,
+                         self.plan.n_fragments, list(welcome.versions), ", streaming INIT" if need_init else "")
+            except (TimeoutError, SyncError) as exc:
+                error = str(exc)
+        orders = broadcast_orders(Orders(init=need_init, error=error) if self.is_sync else None, self.group,
+                                  self.cfg.sync_rank)
+        self._raise_if(orders)
+        if orders.init:
+            self._stream_init()
+        if self.cfg.initial_cut_timeout_s > 0:
+            self._install_initial_cut(self.cfg.initial_cut_timeout_s)
+        self._last_end = time.monotonic()
+
+    def _stream_init(self) -> None:
+        """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
+        inflight: collections.deque = collections.deque()
+        t0 = time.monotonic()
+        total = sum(self.plan.nbytes(f) for f in range(self.plan.n_fragments))
+        sent = 0
+        for f in range(self.plan.n_fragments):
+            error = None
+            if self.is_sync:
+                while len(inflight) >= _INIT_INFLIGHT:
+                    if not inflight.popleft().wait(self.cfg.connect_timeout_s):
+                        error = f"INIT fragment send timed out after {self.cfg.connect_timeout_s:.0f}s"
+                        break
+            self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
+                                            self.cfg.sync_rank))
+            values = self.transfer.export_fragment(f, delta=False)
+            if self.is_sync:
+                assert self.client is not None and values is not None
+                inflight.append(self.client.send_init(f, values))
+                del values
+                sent += self.plan.nbytes(f)
+                log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
+                         sent / 2**20, total / 2**20, time.monotonic() - t0)
+        error = None
+        if self.is_sync:
+            for ev in inflight:
+                if not ev.wait(self.cfg.connect_timeout_s):
+                    error = "INIT send did not complete"
+        self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
+                                        self.cfg.sync_rank))
+
+    def _install_initial_cut(self, timeout_s: float) -> None:
+        """Before the first step: install each cut fragment as it lands, collectively."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            orders = None
+            if self.is_sync:
+                assert self.client is not None
+                try:
+                    have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
+                    if len(have) < self.plan.n_fragments:
+                        self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
+                    self._collect()
+                    orders = Orders(applies=self._take_applies())
+                    got = {f for f, *_ in orders.applies} | {f for f in range(self.plan.n_fragments)
+                                                            if self.versions[f] >= 0}
+                    if len(got) == self.plan.n_fragments:
+                        orders.stop = "cut installed"
+                    elif time.monotonic() >= deadline:
+                        orders.stop = "initial cut timeout"
+                        log.warning("initial cut: %d of %d fragments after %.0fs; the rest is applied at the "
+                                    "step boundaries", len(got), self.plan.n_fragments, timeout_s)
+                except SyncError as exc:
+                    orders = Orders(error=str(exc))
+            orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
+            self._raise_if(orders)
+            self._apply_all(orders, [])
+            if orders.stop:
+                return
+
+    # ------------------------------------------------------------------ step boundary
+    def step_end(self, step: int, loss: float | None = None) -> None:
+        """The step boundary (every rank, right after ``optimizer.step()``)."""
+        t0 = time.monotonic()
+        step_s = t0 - self._last_end
+        self.step = step
+        for f in range(self.plan.n_fragments):
+            self.steps_since_apply[f] += 1
+        orders = None
+        wait_s = 0.0
+        if self.is_sync:
+            assert self.client is not None
+            try:
+                self.client.report_step(step)
+                self._collect()
+                orders = Orders(applies=self._take_applies())
+                orders.pushes = self._take_pushes(orders)
+            except SyncError as exc:
+                orders = Orders(error=str(exc))
+        tb = time.monotonic()
+        orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
+        wait_s += time.monotonic() - tb
+        self._raise_if(orders)
+        events: list[dict] = []
+        apply_s = self._apply_all(orders, events)
+        export_s = self._push_all(orders, events)
+        self._end_boundary(step, t0, step_s, export_s, apply_s, wait_s, events, loss)
+
+    def _collect(self) -> None:
+        """Move what the client parked into the sync rank's pending tables."""
+        assert self.client is not None
+        for b in self.client.take_bcasts():
+            problem = self._check_values(b.fragment, b.tensors)
+            if problem:
+                log.warning("island %d: BCAST of fragment %d version %d refused: %s", self.cfg.island_id,
+                            b.fragment, b.version, problem)
+                continue
+            self._pending[b.fragment] = b
+        for p in self.client.take_ready_pulls():
+            have = self._pulls.get(p.fragment)
+            if have is None or (p.round, p.attempt) > (have.round, have.attempt):
+                self._pulls[p.fragment] = p
+            self._counters.round, self._counters.attempt = max(
+                (self._counters.round, self._counters.attempt), (p.round, p.attempt))
+
+    def _take_applies(self) -> list[tuple[int, int, int, bool]]:
+        applies = [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())]
+        return applies
+
+    def _take_pushes(self, orders: Orders) -> list[tuple[int, int, int]]:
+        applied_now = {f for f, *_ in orders.applies}
+        pushes = []
+        for f, p in sorted(self._pulls.items()):
+            round_done = max(self.applied_round[f], max((r for g, _, r, _ in orders.applies if g == f), default=0))
+            if p.round <= round_done:
+                del self._pulls[f]  # that round committed without us
+                continue
+            if f in applied_now or self.versions[f] < 0 or self.steps_since_apply[f] < 1:
+                continue  # wait for a local step on top of the newest value
+            pushes.append((f, p.round, p.attempt))
+            del self._pulls[f]
+        return pushes
+
+    def _apply_all(self, orders: Orders, events: list[dict]) -> float:
+        t0 = time.monotonic()
+        for f, version, rnd, cut in orders.applies:
+            values = None
+            if self.is_sync:
+                values = _fp32(self._pending.pop(f).tensors)
+            alpha = 0.0 if cut else self.cfg.alpha
+            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha)
+            del values
+            self.versions[f] = version
+            self.applied_round[f] = max(self.applied_round[f], rnd)
+            self.steps_since_apply[f] = 0
+            if self.is_sync:
+                if cut:
+                    events.append({"type": "cut", "fragment": f, "version": version, "bytes": nbytes})
+                else:
+                    self._counters.applies += 1
+                    pushed = self._pushed_at.pop((f, rnd), None)
+                    events.append({"type": "apply", "fragment": f, "version": version, "round": rnd,
+                                   "bytes": nbytes, "lag_steps": None if pushed is None else self.step - pushed})
+        return time.monotonic() - t0
+
+    def _push_all(self, orders: Orders, events: list[dict]) -> float:
+        t0 = time.monotonic()
+        for f, rnd, attempt in orders.pushes:
+            delta = self.transfer.export_fragment(f, delta=True)
+            if self.is_sync:
+                assert self.client is not None and delta is not None
+                steps = self.steps_since_apply[f]
+                pull = wire.Pull(fragment=f, round=rnd, attempt=attempt)
+                nbytes = sum(t.numel() * t.element_size() for _, t in delta)
+                if self.client.push(pull, self.versions[f], steps, steps * self.tokens_per_step, delta):
+                    self._counters.pushes += 1
+                    self._pushed_at[(f, rnd)] = self.step
+                events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt,
+                               "base_version": self.versions[f], "bytes": nbytes, "local_steps": steps})
+        return time.monotonic() - t0
+
+    def _end_boundary(self, step: int, t0: float, step_s: float, export_s: float, apply_s: float, wait_s: float,
+                      events: list[dict], loss: float | None) -> None:
+        end = time.monotonic()
+        self._last_end = end
+        if self._steplog is None or self.client is None:
+            return
+        sent, recv = self.client.stats.bytes_sent, self.client.stats.bytes_recv
+        self._steplog.record(StepRecord(
+            step=step, time=time.time(), step_s=step_s, boundary_s=end - t0, export_s=export_s, apply_s=apply_s,
+            wait_s=wait_s, bytes_sent=sent - self._sent0, bytes_recv=recv - self._recv0,
+            pushes=self._counters.pushes, applies=self._counters.applies, versions=list(self.versions),
+            round=self._counters.round, attempt=self._counters.attempt, events=events, loss=loss,
+            island=self.cfg.island_id))
+        self._sent0, self._recv0 = sent, recv
+
+    # ------------------------------------------------------------------ finalization
+    def finish(self) -> list[int]:
+        """After the last step: keep answering rounds until the syncer's final cut arrives,
+        install it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions."""
+        deadline = time.monotonic() + self.cfg.final_timeout_s
+        if self.is_sync:
+            assert self.client is not None
+            self.client.report_step(self.step, done=True)
+        acked = False
+        while True:
+            t0 = time.monotonic()
+            orders = None
+            if self.is_sync:
+                orders = self._finish_orders(deadline, acked)
+            orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
+            self._raise_if(orders)
+            events: list[dict] = []
+            apply_s = self._apply_all(orders, events)
+            export_s = self._push_all(orders, events)
+            if orders.final:
+                apply_s += self._install_final(events)
+                acked = True
+            if events:
+                self._end_boundary(self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
+            if orders.stop:
+                break
+        if self._steplog is not None:
+            self._steplog.close()
+        if self.client is not None:
+            self.client.close()
+        return list(self.versions)
+
+    def _finish_orders(self, deadline: float, acked: bool) -> Orders:
+        assert self.client is not None
+        try:
+            self.client.wait_event(0.05)
+            if acked:
+                if self.client.shutdown_reason is not None:
+                    return Orders(stop=self.client.shutdown_reason)
+            else:
+                finals = self.client.final_fragments()
+                if finals is not None:
+                    problems = [p for f, (_, t) in finals.items() if (p := self._check_values(f, t))]
+                    if problems:
+                        return Orders(error=f"the syncer's final cut does not match our plan: {problems[0]}")
+                    return Orders(final=True)
+            if time.monotonic() > deadline:
+                what = "SHUTDOWN" if acked else "the final cut"
+                return Orders(error=f"no {what} from the syncer within {self.cfg.final_timeout_s:.0f}s")
+            if self.client.shutdown_reason is not None and not acked:
+                return Orders(error=f"the syncer shut down before sending the final cut: "
+                                    f"{self.client.shutdown_reason}")
+            self._collect()
+            orders = Orders(applies=self._take_applies())
+            orders.pushes = self._take_pushes(orders)
+            return orders
+        except SyncError as exc:
+            return Orders(error=str(exc))
+
+    def _install_final(self, events: list[dict]) -> float:
+        t0 = time.monotonic()
+        finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
+        for f in range(self.plan.n_fragments):
+            values = None
+            if finals is not None:
+                values = _fp32(finals[f][1])
+            self.transfer.apply_fragment(f, values, alpha=0.0)
+        # Every rank learns the final versions from one broadcast (the manifest).
+        vers = torch.tensor(list(finals[0][0].versions) if finals is not None else [0] * self.plan.n_fragments,
+                            dtype=torch.int64)
+        dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
+        self.versions = [int(v) for v in vers]
+        if self.is_sync and self.client is not None:
+            self.client.send_final_ack(self.versions)
+            events.append({"type": "final", "versions": list(self.versions)})
+            log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
+        return time.monotonic() - t0
+
+    # ------------------------------------------------------------------ helpers
+    def _check_values(self, f: int, tensors: Tensors) -> str | None:
+        """Why a received global value of fragment ``f`` does not fit our plan (None if it does)."""
+        specs = self.plan.specs_of(f)
+        if len(specs) != len(tensors):
+            return f"{len(tensors)} tensors, the plan has {len(specs)}"
+        for spec, (name, t) in zip(specs, tensors):
+            if name != spec.name or tuple(t.shape) != tuple(spec.shape):
+                return f"got {name} {tuple(t.shape)}, the plan has {spec.name} {tuple(spec.shape)}"
+        return None
+
+    def _raise_if(self, orders: Orders) -> None:
+        if orders.error:
+            if self.client is not None:
+                self.client.close(linger_s=0.5)
+            raise IslandError(f"island {self.cfg.island_id}: {orders.error}")
+
+
+def _fp32(tensors: Tensors) -> Tensors:
+    return [(name, t if t.dtype == torch.float32 else t.to(torch.float32)) for name, t in tensors]

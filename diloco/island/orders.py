@@ -1,0 +1,82 @@
+"""Orders: what the sync rank tells every rank of its island to do at one boundary.
+
+Only the sync rank talks to the syncer, but applies and exports are collectives: every
+rank must run the same ones in the same order, or the island deadlocks. So the sync rank
+decides, encodes the decision as :class:`Orders`, and broadcasts it over the island's CPU
+group; every rank then executes exactly that list.
+
+The broadcast is two-step so that an idle boundary costs one 16-byte broadcast: a fixed
+``int64[2]`` header ``(payload length, 0)`` and, only when the length is non-zero, the JSON
+payload as a ``uint8`` tensor. JSON, not pickle: the payload is plain numbers and strings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_MAX_ORDERS_BYTES = 1 << 20
+
+
+@dataclass
+class Orders:
+    """One boundary's decisions, identical on every rank after :func:`broadcast_orders`."""
+
+    applies: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    """(fragment, version, round, cut) to install, in this order, before any push."""
+
+    pushes: list[tuple[int, int, int]] = field(default_factory=list)
+    """(fragment, round, attempt) to export and push."""
+
+    init: bool = False
+    """Start-up only: the syncer asked this island to stream INIT."""
+
+    final: bool = False
+    """Install the syncer's final cut (every fragment, fp32, unblended) and acknowledge it."""
+
+    stop: str | None = None
+    """Leave the loop (finalization done, or shutdown)."""
+
+    error: str | None = None
+    """Raise this on every rank: the sync rank hit something fatal (refusal, timeout)."""
+
+    def is_idle(self) -> bool:
+        return not (self.applies or self.pushes or self.init or self.final or self.stop or self.error)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"a": self.applies, "p": self.pushes, "i": self.init, "f": self.final, "s": self.stop,
+                           "e": self.error}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Orders:
+        d = json.loads(raw)
+        return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
+                   pushes=[(int(f), int(r), int(a)) for f, r, a in d["p"]],
+                   init=bool(d["i"]), final=bool(d["f"]), stop=d["s"], error=d["e"])
+
+
+def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) -> Orders:
+    """Send ``orders`` from group rank ``src`` to every rank of ``group``; return them everywhere.
+
+    ``orders`` is only read on ``src``. Idle orders cost one small broadcast.
+    """
+    is_src = dist.get_rank(group) == src
+    head = torch.zeros(2, dtype=torch.int64)
+    payload = b""
+    if is_src:
+        assert orders is not None
+        if not orders.is_idle():
+            payload = orders.to_json()
+            if len(payload) > _MAX_ORDERS_BYTES:
+                raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
+        head[0] = len(payload)
+    dist.broadcast(head, group=group, group_src=src)
+    n = int(head[0])
+    if n == 0:
+        return Orders()
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, group=group, group_src=src)
+    return orders if is_src and orders is not None else Orders.from_json(buf.numpy().tobytes())
