@@ -1,0 +1,351 @@
+"""Summaries and plots of step logs: the ``yeto-steplog`` console script.
+
+``yeto-steplog LOG [LOG...] [--plot FILE.png] [--json]`` reads one step log per
+island (written by :class:`diloco.steplog.StepLog`) and answers the questions
+one asks of a DiLoCo run: what share of the step time went to synchronisation,
+how the boundary time splits into export / apply / waiting, how long the slow
+boundaries were (p95, max), how many bytes one committed round costs, and how
+stale the applied values were. The table puts one island per column so islands
+can be compared side by side; ``--json`` prints the same numbers for scripts;
+``--plot`` draws boundary time per step, stacked by phase, with the loss and a
+marker at every applied round, one panel per island.
+
+Definitions (the tests pin these):
+    percentiles     linear interpolation between closest ranks (numpy's default)
+    other_s         boundary_s - export_s - apply_s - wait_s, floored at 0
+    sync_share      sum(boundary_s) / sum(step_s + boundary_s)
+    rounds          number of ``apply`` events (committed rounds this island applied)
+    bytes per round sum(bytes_sent) / rounds and sum(bytes_recv) / rounds
+    lag_steps       from ``apply`` events (steps between push and apply of a round)
+    version lag     for each round this island both pushed and applied:
+                    applied version - 1 - push base_version, i.e. how many
+                    commits of that fragment the push's anchor was behind
+
+matplotlib is imported only for ``--plot`` (Agg backend), so the table works on
+a machine without a display or without matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from diloco.steplog import StepLogContents, StepRecord, read_steplog_contents
+
+
+@dataclass(frozen=True)
+class IslandSummary:
+    """The numbers of one step log. Times in seconds unless the name says ms;
+    ``None`` where there was nothing to measure (e.g. no apply events)."""
+
+    path: str
+    island: int | None
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    malformed_lines: int
+    truncated_tail: bool
+    boundary_ms_p50: float | None
+    boundary_ms_p95: float | None
+    boundary_ms_max: float | None
+    step_total_s: float
+    boundary_total_s: float
+    export_s: float
+    apply_s: float
+    wait_s: float
+    other_s: float
+    export_share: float | None
+    apply_share: float | None
+    wait_share: float | None
+    other_share: float | None
+    sync_share: float | None
+    rounds: int
+    bytes_sent: int
+    bytes_recv: int
+    bytes_sent_per_round: float | None
+    bytes_recv_per_round: float | None
+    pushes: int
+    applies: int
+    lag_steps_p50: float | None
+    lag_steps_max: int | None
+    version_lag_p50: float | None
+    version_lag_max: int | None
+    final_loss: float | None
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
+
+
+def _share(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _event_int(event: dict[str, Any], key: str) -> int | None:
+    value = event.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def version_lags(records: Sequence[StepRecord]) -> list[int]:
+    """Version staleness of each round this island pushed and then applied.
+
+    Pairs each ``apply`` event with this island's ``push`` for the same
+    (fragment, round), latest attempt wins (earlier attempts were dropped by
+    the syncer). Rounds without both halves, or with fields missing, are
+    skipped: the quantity is simply not derivable for them.
+    """
+    base_by_round: dict[tuple[int, int], int] = {}
+    lags: list[int] = []
+    for record in records:
+        for event in record.events:
+            fragment, rnd = _event_int(event, "fragment"), _event_int(event, "round")
+            if fragment is None or rnd is None:
+                continue
+            if event["type"] == "push":
+                base = _event_int(event, "base_version")
+                if base is not None:
+                    base_by_round[(fragment, rnd)] = base
+            elif event["type"] == "apply":
+                version = _event_int(event, "version")
+                base = base_by_round.pop((fragment, rnd), None)
+                if version is not None and base is not None:
+                    lags.append(version - 1 - base)
+    return lags
+
+
+def summarize(path: str, contents: StepLogContents | None = None) -> IslandSummary:
+    """Compute the :class:`IslandSummary` of one step log (read from ``path``
+    unless its ``contents`` were already read)."""
+    if contents is None:
+        contents = read_steplog_contents(path)
+    records = contents.records
+    boundary = [r.boundary_s for r in records]
+    step_total = math.fsum(r.step_s for r in records)
+    boundary_total = math.fsum(boundary)
+    export = math.fsum(r.export_s for r in records)
+    apply = math.fsum(r.apply_s for r in records)
+    wait = math.fsum(r.wait_s for r in records)
+    other = math.fsum(max(0.0, r.boundary_s - r.export_s - r.apply_s - r.wait_s) for r in records)
+    applies = [e for r in records for e in r.events if e["type"] == "apply"]
+    lag_steps = [v for v in (_event_int(e, "lag_steps") for e in applies) if v is not None]
+    vlags = version_lags(records)
+    rounds = len(applies)
+    sent = sum(r.bytes_sent for r in records)
+    recv = sum(r.bytes_recv for r in records)
+    losses = [r.loss for r in records if r.loss is not None]
+    return IslandSummary(
+        path=path,
+        island=records[-1].island if records else None,
+        steps=len(records),
+        first_step=records[0].step if records else None,
+        last_step=records[-1].step if records else None,
+        malformed_lines=contents.malformed,
+        truncated_tail=contents.truncated_tail,
+        boundary_ms_p50=_ms(_pct(boundary, 50)),
+        boundary_ms_p95=_ms(_pct(boundary, 95)),
+        boundary_ms_max=_ms(max(boundary) if boundary else None),
+        step_total_s=step_total,
+        boundary_total_s=boundary_total,
+        export_s=export,
+        apply_s=apply,
+        wait_s=wait,
+        other_s=other,
+        export_share=_share(export, boundary_total),
+        apply_share=_share(apply, boundary_total),
+        wait_share=_share(wait, boundary_total),
+        other_share=_share(other, boundary_total),
+        sync_share=_share(boundary_total, step_total + boundary_total),
+        rounds=rounds,
+        bytes_sent=sent,
+        bytes_recv=recv,
+        bytes_sent_per_round=sent / rounds if rounds else None,
+        bytes_recv_per_round=recv / rounds if rounds else None,
+        # Counters are cumulative: the largest seen is the total (max, not
+        # last, in case a restarted job appended to the same file).
+        pushes=max((r.pushes for r in records), default=0),
+        applies=max((r.applies for r in records), default=0),
+        lag_steps_p50=_pct(lag_steps, 50),
+        lag_steps_max=max(lag_steps) if lag_steps else None,
+        version_lag_p50=_pct(vlags, 50),
+        version_lag_max=max(vlags) if vlags else None,
+        final_loss=losses[-1] if losses else None,
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+# --- text table -------------------------------------------------------------
+
+
+def _num(value: float | int | None, fmt: str = "{:.2f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return fmt.format(value)
+
+
+def _bytes(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _pct_str(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
+def _phase(total: float, share: float | None) -> str:
+    return f"{total:.3f} s ({_pct_str(share)})"
+
+
+def format_table(summaries: Sequence[IslandSummary]) -> str:
+    """Render the summaries as a plain-text table, one column per log."""
+    rows: list[tuple[str, list[str]]] = [
+        ("log", [os.path.basename(s.path) for s in summaries]),
+        ("island", [_num(s.island, "{}") for s in summaries]),
+        ("steps", [f"{s.steps} ({_num(s.first_step, '{}')}..{_num(s.last_step, '{}')})" for s in summaries]),
+        ("skipped lines", [f"{s.malformed_lines}{' +truncated' if s.truncated_tail else ''}" for s in summaries]),
+        ("boundary ms p50", [_num(s.boundary_ms_p50, "{:.3f}") for s in summaries]),
+        ("boundary ms p95", [_num(s.boundary_ms_p95, "{:.3f}") for s in summaries]),
+        ("boundary ms max", [_num(s.boundary_ms_max, "{:.3f}") for s in summaries]),
+        ("boundary total", [f"{s.boundary_total_s:.3f} s" for s in summaries]),
+        ("  export", [_phase(s.export_s, s.export_share) for s in summaries]),
+        ("  apply", [_phase(s.apply_s, s.apply_share) for s in summaries]),
+        ("  wait", [_phase(s.wait_s, s.wait_share) for s in summaries]),
+        ("  other", [_phase(s.other_s, s.other_share) for s in summaries]),
+        ("sync share of step time", [_pct_str(s.sync_share) for s in summaries]),
+        ("rounds applied", [str(s.rounds) for s in summaries]),
+        ("bytes sent / round", [_bytes(s.bytes_sent_per_round) for s in summaries]),
+        ("bytes recv / round", [_bytes(s.bytes_recv_per_round) for s in summaries]),
+        ("bytes sent total", [_bytes(s.bytes_sent) for s in summaries]),
+        ("bytes recv total", [_bytes(s.bytes_recv) for s in summaries]),
+        ("pushes", [str(s.pushes) for s in summaries]),
+        ("applies", [str(s.applies) for s in summaries]),
+        ("lag steps p50 / max", [f"{_num(s.lag_steps_p50, '{:g}')} / {_num(s.lag_steps_max, '{}')}" for s in summaries]),
+        ("version lag p50 / max", [f"{_num(s.version_lag_p50, '{:g}')} / {_num(s.version_lag_max, '{}')}" for s in summaries]),
+        ("final loss", [_num(s.final_loss, "{:.4f}") for s in summaries]),
+    ]
+    label_w = max(len(label) for label, _ in rows)
+    col_w = [max(len(cells[i]) for _, cells in rows) for i in range(len(summaries))]
+    lines = []
+    for n, (label, cells) in enumerate(rows):
+        lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(cells, col_w)]).rstrip())
+        if n == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    # Strict JSON has no NaN/inf (a diverged loss): emit null instead.
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def summaries_to_json(summaries: Sequence[IslandSummary]) -> str:
+    """The summaries as one strict JSON object ``{"logs": [...]}`` (NaN -> null)."""
+    logs = [{k: _json_safe(v) for k, v in asdict(s).items()} for s in summaries]
+    return json.dumps({"logs": logs}, allow_nan=False)
+
+
+# --- plot -------------------------------------------------------------------
+
+
+def plot_logs(logs: Sequence[tuple[str, Sequence[StepRecord]]], out_png: str) -> None:
+    """Write a PNG with one panel per ``(path, records)`` log: boundary ms per
+    step stacked by phase, loss on a second axis, a dotted vertical line at
+    each step that applied a round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(logs), 1, figsize=(10, 3.2 * len(logs)), squeeze=False, sharex=False)
+    colors = {"export": "tab:blue", "apply": "tab:green", "wait": "tab:orange", "other": "tab:gray"}
+    for ax, (path, records) in zip(axes[:, 0], logs):
+        island = records[-1].island if records else "?"
+        ax.set_title(f"island {island}: {os.path.basename(path)}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("boundary time (ms)")
+        if not records:
+            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
+            continue
+        steps = np.array([r.step for r in records], dtype=np.float64)
+        phases = {
+            "export": np.array([r.export_s for r in records]) * 1e3,
+            "apply": np.array([r.apply_s for r in records]) * 1e3,
+            "wait": np.array([r.wait_s for r in records]) * 1e3,
+            "other": np.array([max(0.0, r.boundary_s - r.export_s - r.apply_s - r.wait_s) for r in records]) * 1e3,
+        }
+        # Stacked step-fills instead of bars: thousands of steps stay cheap and
+        # each step's band is exactly its own value.
+        bottom = np.zeros_like(steps)
+        for name, values in phases.items():
+            ax.fill_between(steps, bottom, bottom + values, step="mid", color=colors[name], alpha=0.8,
+                            linewidth=0, label=name)
+            bottom = bottom + values
+        applied = sorted({r.step for r in records if any(e["type"] == "apply" for e in r.events)})
+        if applied:
+            ax.vlines(applied, 0, 1, transform=ax.get_xaxis_transform(), colors="black", linestyles=":",
+                      linewidth=0.7, label="round applied")
+        # Headroom above the tallest boundary so the legend does not hide it.
+        ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.3)
+        ax.legend(loc="upper left", fontsize="small", ncol=5)
+        loss_points = [(r.step, r.loss) for r in records if r.loss is not None and math.isfinite(r.loss)]
+        if loss_points:
+            lax = ax.twinx()
+            lax.plot([s for s, _ in loss_points], [v for _, v in loss_points], color="tab:red", linewidth=1.0)
+            lax.set_ylabel("loss", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+# --- CLI --------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yeto-steplog",
+        description="Summarise DiLoCo step logs (one per island): boundary time, sync share, bytes, staleness.",
+    )
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="step log (JSON lines) of one island")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write a plot, one panel per log")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object instead of a table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``yeto-steplog``; returns the exit status (2: unreadable log)."""
+    args = _parser().parse_args(argv)
+    logs: list[tuple[str, StepLogContents]] = []
+    for path in args.logs:
+        try:
+            logs.append((path, read_steplog_contents(path)))
+        except OSError as exc:
+            print(f"yeto-steplog: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    summaries = [summarize(path, contents) for path, contents in logs]
+    print(summaries_to_json(summaries) if args.json else format_table(summaries))
+    if args.plot:
+        plot_logs([(path, contents.records) for path, contents in logs], args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
