@@ -1,0 +1,207 @@
+"""SyncClient against a scripted syncer on a real ROUTER socket (tcp loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from diloco import wire
+from diloco.config import IslandConfig
+from diloco.island.client import SyncClient, SyncError
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = b"client-test-key"
+
+
+class ScriptedSyncer:
+    """A ROUTER socket the test drives by hand: it records what islands send."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"tcp://127.0.0.1:{port}"
+        self.peer: bytes | None = None
+
+    def recv(self, kind: type, timeout_s: float = 10.0) -> wire.Message:
+        """Next message of ``kind`` (others, e.g. heartbeats, are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                peer, *frames = self.sock.recv_multipart(copy=False)
+                msg = wire.decode(frames, key=KEY)
+                if isinstance(msg.header, kind):
+                    self.peer = peer.bytes
+                    return msg
+        raise AssertionError(f"no {kind.__name__} within {timeout_s}s")
+
+    def send(self, header: wire.Header, tensors: list | None = None) -> None:
+        assert self.peer is not None
+        self.sock.send_multipart([self.peer, *wire.encode(header, tensors or [], key=KEY)], copy=False)
+
+    def welcome(self, syncer_id: int = 7, n: int = 2) -> wire.Hello:
+        hello = self.recv(wire.Hello).header
+        self.send(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id, need_init=False,
+                               versions=(0,) * n, sync_every=10, total_steps=0))
+        return hello
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def syncer():
+    s = ScriptedSyncer()
+    yield s
+    s.close()
+
+
+def _client(addr: str, **kw: object) -> SyncClient:
+    cfg = IslandConfig(sync_addr=addr, island_id=1, key=KEY, heartbeat_s=0.2, sync_timeout_s=2.0, **kw)
+    return SyncClient(cfg, fingerprint="ab" * 16, n_fragments=2)
+
+
+def _wait(pred, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_hello_welcome_and_push_roundtrip(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        hello = syncer.welcome()
+        assert (hello.island, hello.fingerprint, hello.n_fragments) == (1, "ab" * 16, 2)
+        assert client.wait_welcome(5).syncer_id == 7
+        delta = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+        assert client.push(wire.Pull(fragment=1, round=3, attempt=0), 2, 5, 500, delta)
+        msg = syncer.recv(wire.Push)
+        assert msg.header == wire.Push(island=1, generation=hello.generation, fragment=1, round=3, attempt=0,
+                                       base_version=2, local_steps=5, tokens=500)
+        assert torch.equal(msg.tensors[0][1], delta[0][1])
+    finally:
+        client.close()
+
+
+def test_take_ready_pulls_keeps_newest_attempt_and_drops_resent(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+        for attempt in (0, 2, 1, 2):  # newest attempt 2, resent once, an old one late
+            syncer.send(wire.Pull(fragment=0, round=1, attempt=attempt))
+        syncer.send(wire.Pull(fragment=1, round=2, attempt=0))
+        syncer.send(wire.Pull(fragment=1, round=2, attempt=0))
+        syncer.send(wire.Pull(fragment=0, round=1, attempt=2))  # marker: last message
+        time.sleep(0.3)
+        pulls = client.take_ready_pulls()
+        assert [(p.fragment, p.round, p.attempt) for p in pulls] == [(0, 1, 2), (1, 2, 0)]
+        # A resent copy after the pull was taken is not handed out again; a newer attempt is.
+        syncer.send(wire.Pull(fragment=0, round=1, attempt=2))
+        syncer.send(wire.Pull(fragment=0, round=1, attempt=3))
+        _wait(lambda: client.stats.messages_recv >= 9)
+        time.sleep(0.1)
+        assert [(p.fragment, p.round, p.attempt) for p in client.take_ready_pulls()] == [(0, 1, 3)]
+        assert client.take_ready_pulls() == []
+    finally:
+        client.close()
+
+
+def test_broadcasts_in_increasing_version_order(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+
+        def bcast(f: int, v: int) -> None:
+            syncer.send(wire.Bcast(fragment=f, version=v, round=v, cut=False),
+                        [("w", torch.full((3,), float(v)))])
+
+        for v in (1, 3, 2):  # 2 arrives after 3: ignored
+            bcast(0, v)
+        bcast(1, 5)
+        _wait(lambda: client.stats.messages_recv >= 5)
+        got = client.take_bcasts()
+        assert [(b.fragment, b.version) for b in got] == [(0, 3), (1, 5)]
+        assert torch.equal(got[0].tensors[0][1], torch.full((3,), 3.0))
+        bcast(0, 3)  # identical replay
+        bcast(1, 4)  # older
+        bcast(0, 4)
+        _wait(lambda: client.stats.messages_recv >= 8)
+        time.sleep(0.1)
+        assert [(b.fragment, b.version) for b in client.take_bcasts()] == [(0, 4)]
+    finally:
+        client.close()
+
+
+def test_redial_under_new_generation_when_syncer_restarts(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        first = syncer.welcome(syncer_id=7)
+        client.wait_welcome(5)
+        syncer.send(wire.Bcast(fragment=0, version=4, round=4, cut=False), [("w", torch.ones(2))])
+        _wait(lambda: client.stats.messages_recv >= 2)
+        assert [b.version for b in client.take_bcasts()] == [4]
+        # A heartbeat from a different syncer instance makes the client rejoin.
+        syncer.send(wire.Heartbeat(syncer_id=99))
+        second = syncer.welcome(syncer_id=99)
+        assert second.generation != first.generation
+        _wait(lambda: client.generation == second.generation)
+        # The new syncer resumed an older checkpoint: its cut (version 2) must be accepted.
+        syncer.send(wire.Bcast(fragment=0, version=2, round=0, cut=True), [("w", torch.zeros(2))])
+        _wait(lambda: client.stats.messages_recv >= 4)
+        time.sleep(0.1)
+        got = client.take_bcasts()
+        assert [(b.fragment, b.version, b.cut) for b in got] == [(0, 2, True)]
+        # A push queued now carries the new generation.
+        client.push(wire.Pull(fragment=0, round=5, attempt=0), 2, 1, 1, [("w", torch.ones(2))])
+        assert syncer.recv(wire.Push).header.generation == second.generation
+        assert client.stats.redials == 1
+    finally:
+        client.close()
+
+
+def test_redial_after_silence(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        first = syncer.welcome()
+        client.wait_welcome(5)
+        # The syncer says nothing for longer than sync_timeout_s (2 s): the client redials.
+        second = syncer.recv(wire.Hello, timeout_s=10).header
+        assert second.generation != first.generation and second.island == 1
+    finally:
+        client.close()
+
+
+def test_fatal_refusal_raises_at_next_boundary(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        syncer.recv(wire.Hello)
+        syncer.send(wire.Error(code="fingerprint", reason="layout fingerprint differs"))
+        with pytest.raises(SyncError, match="fingerprint"):
+            client.wait_welcome(5)
+        with pytest.raises(SyncError):
+            client.take_ready_pulls()
+    finally:
+        client.close()
+
+
+def test_push_dropped_when_queue_full() -> None:
+    # No syncer at all: nothing drains beyond what zmq buffers, so the bounded queue fills.
+    cfg = IslandConfig(sync_addr="tcp://127.0.0.1:9", island_id=0, send_queue=2, heartbeat_s=5.0,
+                       sync_timeout_s=60.0)
+    client = SyncClient(cfg, fingerprint="00", n_fragments=1)
+    try:
+        big = [("w", torch.zeros(1 << 16))]
+        results = [client.push(wire.Pull(fragment=0, round=1, attempt=0), 0, 1, 1, big) for _ in range(400)]
+        assert not all(results), "a full queue must drop pushes instead of blocking"
+        assert client.stats.pushes_dropped == results.count(False)
+    finally:
+        client.close(linger_s=0.1)
