@@ -1,0 +1,88 @@
+"""Syncer configuration: one frozen, validated object per syncer process.
+
+Built by the CLI from flags (``diloco.syncer.cli``) or directly by tests; the
+state machine and the loop receive it and never read flags or the environment.
+A bad value fails here, at start, with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WEIGHTINGS = ("tokens", "equal")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """Round, quorum and outer-optimizer settings of one syncer.
+
+    Attributes:
+        islands: number of islands; ids are ``0 .. islands-1`` (``--islands``).
+        quorum: K, the number of pushes that may close a round after the grace
+            window (``--quorum``); 0 means "all islands".
+        sync_every: H, inner steps between two syncs of the same fragment
+            (``--sync-every``).
+        outer_lr: outer Nesterov learning rate (``--outer-lr``).
+        outer_momentum: outer Nesterov momentum (``--outer-momentum``).
+        quorum_timeout_s: seconds an attempt may wait for K pushes before it is
+            dropped and re-pulled with ``attempt + 1`` (``--quorum-timeout-s``).
+        grace_ms: milliseconds a round with at least K (but not all) pushes waits
+            for the stragglers (``--grace-ms``).
+        total_steps: last inner step; rounds beyond it are not opened; 0 means
+            "no limit, finalize only when islands report done" (``--total-steps``).
+        checkpoint_every: write a checkpoint every N commits; 0 only writes the
+            final one (``--checkpoint-every``).
+        weighting: ``tokens`` (default) or ``equal`` (``--weighting``).
+        dead_after_s: an island silent this long leaves the live set
+            (``--dead-after-s``).
+        final_timeout_s: seconds to wait for every FINAL_ACK (``--final-timeout-s``).
+        max_fragments: upper bound on ``n_fragments`` a HELLO may declare; keeps
+            a hostile HELLO from making the syncer allocate per-fragment state.
+    """
+
+    islands: int
+    quorum: int = 0
+    sync_every: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    quorum_timeout_s: float = 600.0
+    grace_ms: float = 2000.0
+    total_steps: int = 0
+    checkpoint_every: int = 1
+    weighting: str = "tokens"
+    dead_after_s: float = 120.0
+    final_timeout_s: float = 600.0
+    max_fragments: int = 4096
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, flag: str, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"{flag}: {what}")
+
+        need(isinstance(self.islands, int) and self.islands >= 1, "--islands", f"must be >= 1, got {self.islands}")
+        need(
+            isinstance(self.quorum, int) and 0 <= self.quorum <= self.islands,
+            "--quorum",
+            f"must be in [1, --islands={self.islands}] (or 0 for all), got {self.quorum}",
+        )
+        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "--sync-every", f"must be >= 1, got {self.sync_every}")
+        need(math.isfinite(self.outer_lr) and self.outer_lr > 0, "--outer-lr", f"must be finite and > 0, got {self.outer_lr}")
+        need(0.0 <= self.outer_momentum < 1.0, "--outer-momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        need(math.isfinite(self.quorum_timeout_s) and self.quorum_timeout_s > 0, "--quorum-timeout-s", f"must be > 0, got {self.quorum_timeout_s}")
+        need(math.isfinite(self.grace_ms) and self.grace_ms >= 0, "--grace-ms", f"must be >= 0, got {self.grace_ms}")
+        need(isinstance(self.total_steps, int) and self.total_steps >= 0, "--total-steps", f"must be >= 0, got {self.total_steps}")
+        need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
+        need(self.weighting in WEIGHTINGS, "--weighting", f"must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        need(math.isfinite(self.dead_after_s) and self.dead_after_s > 0, "--dead-after-s", f"must be > 0, got {self.dead_after_s}")
+        need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")
+        need(self.max_fragments >= 1, "max_fragments", "must be >= 1")
+
+    @property
+    def effective_quorum(self) -> int:
+        """K with the "0 means all islands" default resolved."""
+        return self.quorum if self.quorum > 0 else self.islands
