@@ -47,6 +47,7 @@ class IslandSummary:
 
     path: str
     island: int | None
+    records: int
     steps: int
     first_step: int | None
     last_step: int | None
@@ -143,7 +144,9 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
     return IslandSummary(
         path=path,
         island=records[-1].island if records else None,
-        steps=len(records),
+        records=len(records),
+        # Distinct steps: the finalization boundaries repeat the last step.
+        steps=len({r.step for r in records}),
         first_step=records[0].step if records else None,
         last_step=records[-1].step if records else None,
         malformed_lines=contents.malformed,
@@ -219,6 +222,7 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("log", [os.path.basename(s.path) for s in summaries]),
         ("island", [_num(s.island, "{}") for s in summaries]),
         ("steps", [f"{s.steps} ({_num(s.first_step, '{}')}..{_num(s.last_step, '{}')})" for s in summaries]),
+        ("records", [str(s.records) for s in summaries]),
         ("skipped lines", [f"{s.malformed_lines}{' +truncated' if s.truncated_tail else ''}" for s in summaries]),
         ("boundary ms p50", [_num(s.boundary_ms_p50, "{:.3f}") for s in summaries]),
         ("boundary ms p95", [_num(s.boundary_ms_p95, "{:.3f}") for s in summaries]),

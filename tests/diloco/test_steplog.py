@@ -157,6 +157,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
     write_log(path, HAND_LOG)
     s = summarize(str(path))
     approx = pytest.approx
+    assert s.records == 5
     assert (s.island, s.steps, s.first_step, s.last_step, s.malformed_lines) == (0, 5, 1, 5, 0)
     # boundaries sorted: 10, 20, 50, 100, 220 ms; p95 at rank 3.8 -> 100 + 0.8 * 120
     assert s.boundary_ms_p50 == approx(50.0)
@@ -183,7 +184,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
     assert "sync share of step time" in table and "196.000" in table
 
 
-def test_version_lag_uses_latest_attempt() -> None:
+def test_version_lag_uses_latest_attempt(tmp_path: Path) -> None:
     push = {"type": "push", "fragment": 0, "round": 4, "bytes": 1, "local_steps": 1}
     records = [
         rec(1, events=[dict(push, attempt=0, base_version=1)]),
@@ -191,9 +192,17 @@ def test_version_lag_uses_latest_attempt() -> None:
         rec(2, events=[dict(push, attempt=1, base_version=2)]),
         rec(3, events=[{"type": "apply", "fragment": 0, "version": 3, "round": 4}]),
         # an apply with no push of ours (we were not a member) is not derivable
-        rec(4, events=[{"type": "apply", "fragment": 1, "version": 7, "round": 5}]),
+        rec(4, events=[{"type": "apply", "fragment": 1, "version": 7, "round": 5, "lag_steps": None}]),
+        # finalization boundaries repeat the last step
+        rec(4, step_s=0.0, events=[{"type": "final", "versions": [3, 7]}]),
     ]
     assert version_lags(records) == [0]
+    path = tmp_path / "lags.jsonl"
+    write_log(path, records)
+    s = summarize(str(path))
+    assert (s.records, s.steps, s.rounds) == (5, 4, 2)
+    assert s.lag_steps_p50 is None and s.lag_steps_max is None
+    assert s.version_lag_p50 == 0.0
 
 
 def test_empty_log_summary(tmp_path: Path) -> None:
