@@ -1,0 +1,517 @@
+"""Run real megatron-core 0.16 (GPTModel + DDP + DistributedOptimizer) on CPU with gloo.
+
+Tests, the demo and the benchmarks need the island data path to run on real
+megatron-core layouts (TP / PP / EP / DP, fused QKV, SwiGLU, padded vocab,
+tied embeddings, distributed-optimizer shards) on a machine with no GPU. The
+library assumes CUDA in a handful of places; `install_cpu_patches` redirects
+them to the CPU (see docs in /work/shared/MEGATRON_CPU.md for the checked
+facts). Production code never imports this module.
+
+`run_ranks` is the multi-process harness: it forks workers after the parent
+imported megatron (a world-4 launch then costs well under a second instead of
+seconds of imports per worker), gives each a gloo default group, collects one
+JSON-able result per rank and turns any hang or crash into an exception naming
+the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_VOCAB_DIVISOR = 128
+"""Megatron-LM pads the vocabulary to a multiple of 128 * TP; we do the same so padding is exercised."""
+
+
+# ---------------------------------------------------------------------------
+# CPU patches
+# ---------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is how megatron spells torch.cuda.current_device().
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to the CPU and makes `.cuda()` a no-op.
+
+    Megatron's DDP, distributed optimizer and pipeline schedule allocate with
+    `device='cuda'` / `torch.cuda.current_device()` and check `param.type()`
+    against `torch.cuda.*Tensor`; under this mode those calls land on the CPU
+    and `Tensor.type()` reports the CUDA name so the type checks pass.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) >= 2 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuRNGStatesTracker:
+    """Stand-in for megatron's CudaRNGStatesTracker that forks the CPU generator.
+
+    Megatron forks a named RNG stream around TP-region dropout and expert init;
+    on CPU the named stream is a saved CPU generator state.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if name in self.states_ or seed in self.seeds_:
+            raise RuntimeError(f"rng state {name!r} / seed {seed} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name!r} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+_PATCHED = False
+_MODE: _CudaToCpuMode | None = None
+
+
+def install_cpu_patches() -> None:
+    """Make megatron-core run on the CPU in this process (idempotent).
+
+    Call in each worker before building a model (tied embeddings under PP
+    allocate on 'cuda' while the model is built). Never call it in a process
+    that uses a real GPU.
+    """
+    global _PATCHED, _MODE
+    if _PATCHED:
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron-core 0.16.1 reads this name unguarded in the router GEMM when
+    # Transformer Engine is absent (NameError); None selects the torch path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    _MODE = _CudaToCpuMode()
+    # Entered for the life of the process on purpose: it must cover model
+    # build, training steps and transfers alike.
+    _MODE.__enter__()
+    _PATCHED = True
+
+
+def _seed_cpu_tracker(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """Mirror megatron's model_parallel_cuda_manual_seed with a CPU tracker."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _CpuRNGStatesTracker()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------
+# Model building
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A small GPT for CPU runs; every field maps onto a megatron TransformerConfig / GPTModel argument."""
+
+    vocab: int = 100
+    """True vocabulary size; the model pads it to a multiple of 128 * TP (canonical shapes use this value)."""
+    hidden: int = 64
+    """hidden_size."""
+    layers: int = 2
+    """num_layers (divisible by PP)."""
+    heads: int = 4
+    """num_attention_heads (divisible by TP)."""
+    query_groups: int = 2
+    """num_query_groups (GQA; divisible by TP)."""
+    ffn: int = 128
+    """ffn_hidden_size (divisible by TP)."""
+    seq: int = 16
+    """Sequence length of training batches and max_sequence_length."""
+    swiglu: bool = True
+    """gated_linear_unit with SiLU (linear_fc1 becomes [gate; up], partition_stride 2)."""
+    tied_embeddings: bool = True
+    """share_embeddings_and_output_weights (under PP the last stage holds a second copy)."""
+    moe_experts: int = 0
+    """num_moe_experts; 0 means a dense MLP."""
+    dtype: str = "bf16"
+    """'bf16' (bf16 model, fp32 master in the optimizer) or 'fp32'."""
+    seed: int = 1234
+    """torch seed before building; TP>1 reproduces TP=1 weights with the same seed (PP does not)."""
+    micro_batch: int = 2
+    """Micro-batch size used by train_step."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"ModelSpec.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.heads % self.query_groups:
+            raise ValueError("ModelSpec.heads must be a multiple of query_groups")
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary size the model is built with under TP degree `tp`."""
+        step = _VOCAB_DIVISOR * tp
+        return int(math.ceil(self.vocab / step) * step)
+
+
+@dataclass
+class BuiltModel:
+    """What build_island_model returns; `train_step` runs one optimizer step on every rank."""
+
+    spec: ModelSpec
+    model: list[torch.nn.Module]
+    """The DDP-wrapped chunks (what the schedule and refresh use)."""
+    unwrapped: list[torch.nn.Module]
+    """The GPTModel chunks inside (what a layout adapter walks)."""
+    optimizer: Any
+    """megatron ChainedOptimizer."""
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layout(self, group: dist.ProcessGroup | None = None) -> Any:
+        """A MegatronLayout over this model (collective over `group`, default world)."""
+        from diloco.layout.megatron import MegatronLayout
+
+        return MegatronLayout(self.model, self.optimizer, vocab_size=self.spec.vocab, group=group)
+
+    def make_batch(self, step: int, n_micro: int = 1) -> dict[str, torch.Tensor]:
+        """Deterministic tokens for `step` (same on all ranks of the island; DP ranks offset by rank)."""
+        from megatron.core import parallel_state as ps
+
+        g = torch.Generator().manual_seed(self.spec.seed * 1000 + step * 17 + ps.get_data_parallel_rank())
+        tokens = torch.randint(0, self.spec.vocab, (n_micro * self.spec.micro_batch, self.spec.seq + 1), generator=g)
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    def train_step(self, batch: dict[str, torch.Tensor] | None = None, n_micro: int = 1) -> float:
+        """One forward/backward (megatron's schedule, PP-aware) and optimizer step; returns the mean loss.
+
+        Collective over the whole world: the loss is summed over the PP group
+        from the last stage so every rank returns the same value.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if batch is None:
+            batch = self.make_batch(self.steps, n_micro)
+        mb = self.spec.micro_batch
+        seq = self.spec.seq
+        micro = [
+            {k: v[i * mb : (i + 1) * mb] for k, v in batch.items()} for i in range(n_micro)
+        ]
+        it = iter(micro)
+        position_ids = torch.arange(seq).unsqueeze(0).expand(mb, seq)
+
+        def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
+            data = next(data_iterator) if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage() else None
+            tokens = data["tokens"] if data is not None else None
+            labels = data["labels"] if data is not None else None
+            if data is None:
+                next(data_iterator, None)
+            out = model(tokens, position_ids, None, labels=labels)
+            return out, lambda o: loss_func(torch.ones(mb, seq), o)
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        fwd_bwd = get_forward_backward_func()
+        losses = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=it,
+            model=self.model,
+            num_microbatches=n_micro,
+            seq_length=seq,
+            micro_batch_size=mb,
+            forward_only=False,
+        )
+        ok, _, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (inf/nan grads)")
+        self.steps += 1
+        value = 0.0
+        if ps.is_pipeline_last_stage() and losses:
+            value = float(sum(float(x["loss"]) for x in losses) / len(losses))
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+        return float(t.item())
+
+
+def build_island_model(
+    spec: ModelSpec,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    use_distributed_optimizer: bool = True,
+    lr: float = 1e-3,
+) -> BuiltModel:
+    """Initialise model parallelism on the existing default group and build GPTModel + DDP + optimizer.
+
+    Collective over the whole world. Calls `install_cpu_patches()`. A second
+    call in the same process tears the previous model-parallel state down
+    first (the old model must not be used afterwards).
+    """
+    install_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_island_model needs an initialised default process group")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world {world} not divisible by tp*pp={tp * pp}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        create_gloo_process_groups=False,
+    )
+    _seed_cpu_tracker(
+        spec.seed,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+    )
+    bf16 = spec.dtype == "bf16"
+    cfg = TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.query_groups,
+        ffn_hidden_size=spec.ffn,
+        gated_linear_unit=spec.swiglu,
+        activation_func=torch.nn.functional.silu if spec.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        num_moe_experts=spec.moe_experts or None,
+        moe_router_topk=2 if spec.moe_experts else 2,
+        moe_token_dispatcher_type="allgather",
+        moe_aux_loss_coeff=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.moe_experts or None, moe_grouped_gemm=False)
+    gpt = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.padded_vocab(tp),
+        max_sequence_length=spec.seq,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+    )
+    inner: torch.nn.Module = Float16Module(cfg, gpt) if bf16 else gpt
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=inner)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+        clip_grad=1.0,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False)
+    return BuiltModel(
+        spec=spec,
+        model=[ddp],
+        unwrapped=[gpt],
+        optimizer=optimizer,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dp=ps.get_data_parallel_world_size(),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Process launcher
+# ---------------------------------------------------------------------------
+
+
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    timeout_s: float,
+    conn: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        result = fn(rank, world, *args)
+        conn.send_bytes(json.dumps({"ok": True, "result": result}).encode())
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        code = 1
+        with contextlib.suppress(Exception):
+            conn.send_bytes(json.dumps({"ok": False, "error": traceback.format_exc()}).encode())
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+        # os._exit: skip atexit / destructors of objects inherited from the
+        # parent by fork (the parent's TCPStore server thread does not exist here).
+        os._exit(code)
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Fork `world` workers that each run `fn(rank, world, *args)` under a gloo default group.
+
+    `fn` must be a module-level function and return something JSON-able. The
+    parent must not have created a process group. The parent owns the
+    TCPStore server (port 0, so no port races). Returns every rank's result
+    in rank order. Raises RuntimeError naming the first rank that failed (with
+    its traceback) or TimeoutError naming the ranks still running after
+    `timeout_s`; in both cases every worker is killed first, so a rank blocked
+    in a collective never outlives the call.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("run_ranks: the parent must not hold a process group")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    procs: list[Any] = []
+    conns: list[Any] = []
+    for rank in range(world):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(rank, world, store.port, timeout_s, child_conn, fn, args),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+    results: list[Any] = [None] * world
+    pending = set(range(world))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_ranks: ranks {sorted(pending)} still running after {timeout_s:.0f}s")
+            mp.connection.wait([conns[r] for r in pending], timeout=0.2)
+            for r in sorted(pending):
+                msg = None
+                if conns[r].poll():
+                    try:
+                        msg = json.loads(conns[r].recv_bytes())
+                    except EOFError:
+                        msg = None
+                if msg is None and not procs[r].is_alive() and not conns[r].poll():
+                    raise RuntimeError(f"run_ranks: rank {r} died (exit code {procs[r].exitcode}) without a result")
+                if msg is None:
+                    continue
+                if not msg["ok"]:
+                    raise RuntimeError(f"run_ranks: rank {r} failed:\n{msg['error']}")
+                results[r] = msg["result"]
+                pending.discard(r)
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                # Ranks blocked in a collective wait for a peer that failed; kill them.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        del store
+    return results
