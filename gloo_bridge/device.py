@@ -1,0 +1,127 @@
+"""One small device helper for the whole project: CUDA, Ascend NPU or CPU.
+
+Why: the project runs on NVIDIA GPUs (NCCL), Ascend NPUs (HCCL, through
+``torch_npu``) and plain CPUs (gloo, for tests and demos). Every place that
+would otherwise write ``torch.cuda...`` asks this module instead, so adding or
+changing a device kind is a change here only. ``torch_npu`` is imported only
+when it is installed, and only on first use, so CPU and CUDA hosts never pay
+for it or fail on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "accelerator_type",
+    "current_device",
+    "default_backend",
+    "host_buffer",
+    "is_accelerator",
+    "pinning_available",
+    "set_current_device",
+    "synchronize",
+    "synchronize_stream",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_available() -> bool:
+    """True when ``torch_npu`` is installed and sees an NPU (imported lazily)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception as exc:  # a broken CANN install must not break CPU runs
+        logger.warning("torch_npu is installed but failed to import: %s", exc)
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def accelerator_type() -> str | None:
+    """``"cuda"``, ``"npu"`` or ``None`` (CPU only) for this process."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return None
+
+
+def default_backend() -> str:
+    """The job's collective backend for this device: nccl, hccl or gloo."""
+    kind = accelerator_type()
+    if kind == "cuda":
+        return "nccl"
+    if kind == "npu":
+        return "hccl"
+    return "gloo"
+
+
+def _module(kind: str):  # type: ignore[no-untyped-def]
+    """``torch.cuda`` or ``torch.npu``: the two share the calls we use."""
+    return torch.cuda if kind == "cuda" else getattr(torch, kind)
+
+
+def current_device() -> torch.device:
+    """The device this process computes on (its current accelerator, else CPU)."""
+    kind = accelerator_type()
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, _module(kind).current_device())
+
+
+def set_current_device(index: int) -> torch.device:
+    """Make accelerator ``index`` current (no-op on CPU); returns the device."""
+    kind = accelerator_type()
+    if kind is None:
+        return torch.device("cpu")
+    _module(kind).set_device(index)
+    return torch.device(kind, index)
+
+
+def is_accelerator(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` lives in accelerator memory (gloo cannot read it)."""
+    return tensor.device.type not in ("cpu", "meta")
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for all work on ``device`` (default: the current one); CPU: no-op."""
+    dev = device if device is not None else current_device()
+    if dev.type == "cpu" or dev.type == "meta":
+        return
+    _module(dev.type).synchronize(dev)
+
+
+def synchronize_stream(device: torch.device) -> None:
+    """Wait for the current stream of ``device`` only (cheaper than a device sync).
+
+    Staged copies are issued on the current stream, so waiting for that stream
+    is exactly what makes a host buffer safe to read (after a device-to-host
+    copy) or to reuse (after a host-to-device copy).
+    """
+    if device.type == "cpu" or device.type == "meta":
+        return
+    _module(device.type).current_stream(device).synchronize()
+
+
+def pinning_available() -> bool:
+    """Pinned (page-locked) host memory only makes sense with an accelerator."""
+    return accelerator_type() is not None
+
+
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A flat uint8 host buffer of ``nbytes``, page-locked when ``pinned``.
+
+    Pinned memory lets device copies run at full link speed and asynchronously;
+    it is a scarce OS resource, so callers cache and reuse these buffers.
+    """
+    if nbytes < 0:
+        raise ValueError(f"host_buffer: nbytes must be >= 0, got {nbytes}")
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
