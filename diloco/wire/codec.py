@@ -1,32 +1,31 @@
-"""Wire format: typed, authenticated zmq multipart messages carrying tensors.
+"""Wire codec: headers plus tensors to zmq frames and back, validated.
 
-Every message between an island and the syncer is one zmq multipart message::
+Every message is one zmq multipart message::
 
     frame 0   MAC     HMAC-SHA256(key, header bytes), 32 bytes
-    frame 1   header  msgpack of an ``_Envelope`` (protocol, typed header, chunk size, tensor metas)
+    frame 1   header  msgpack of an ``Envelope`` (protocol, typed header, chunk size, tensor metas)
     frame 2.. chunks  raw little-endian tensor bytes, tensors in header order, each cut into
                       chunks of ``chunk_bytes`` (the last one of a tensor may be shorter)
 
-Why this shape: the header is small and typed (msgspec, never pickle), so a
-receiver can authenticate it, decode it and check every declared size against
-:class:`Limits` *before* it allocates a single tensor byte.  The header lists
-one xxh3-64 digest per chunk, so the MAC over the header also authenticates
-every payload byte without running HMAC over gigabytes.  Tensor bytes travel as
-separate frames that are zero-copy views of the sender's tensors, and the
-receiver copies each chunk exactly once, into a freshly allocated tensor.
+Why this shape: the header is small and typed, so a receiver can authenticate
+it, decode it and check every declared size against :class:`Limits` *before*
+it allocates a single tensor byte.  The header lists one xxh3-64 digest per
+chunk, so the MAC over the header also authenticates every payload byte
+without running HMAC over gigabytes.  Tensor bytes travel as separate frames
+that are zero-copy views of the sender's tensors, and the receiver copies each
+chunk exactly once, into a tensor from the receive pool (see
+:mod:`diloco.wire.hostpool`).
 
-This module knows nothing of torch.distributed, Megatron or the round rules;
-the syncer and the island client give the headers their meaning (see
-``docs/PROTOCOL.md``).  Any malformed, oversized, unauthenticated or
-wrong-version message makes :func:`decode` raise :class:`WireError` with a
-one-line reason; the caller logs it and keeps serving.
+This module knows nothing of torch.distributed, Megatron or the round rules.
+Any malformed, oversized, unauthenticated or wrong-version message makes
+:func:`decode` raise :class:`WireError` with a one-line reason; the caller logs
+it and keeps serving.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import msgspec
@@ -34,272 +33,33 @@ import torch
 import xxhash
 import zmq
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "DEFAULT_CHUNK_BYTES",
-    "WIRE_DTYPES",
-    "MAC_BYTES",
-    "WireError",
-    "Limits",
-    "TensorMeta",
-    "Hello",
-    "Welcome",
-    "Init",
-    "Pull",
-    "Push",
-    "Bcast",
-    "Heartbeat",
-    "Final",
-    "FinalAck",
-    "Shutdown",
-    "Error",
-    "Header",
-    "Message",
-    "encode",
-    "decode",
-    "payload_bytes",
-    "kind_of",
-]
-
-PROTOCOL_VERSION: int = 1
-"""Bumped on any incompatible change of the envelope or of a header kind."""
-
-DEFAULT_CHUNK_BYTES: int = 4 << 20
-"""Chunk size used by :func:`encode`: large enough that per-frame overhead is
-negligible, small enough that a chunk stays in cache between hashing and copying."""
-
-WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""The only tensor dtypes that may travel; keys are the names used in headers."""
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2}
-
-MAC_BYTES: int = 32
-"""Length of frame 0 (an HMAC-SHA256 digest)."""
-
-
-class WireError(Exception):
-    """A received message was refused; ``reason`` is one line, suitable for a log.
-
-    Raised only by :func:`decode` (and never for local programming errors, which
-    raise ``ValueError``/``TypeError`` from :func:`encode`), so a receive loop
-    can catch exactly this, log ``reason`` and go on serving.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason: str = reason
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Upper bounds a receiver enforces on every declared size before allocating.
-
-    The defaults admit a 8 GiB tensor and a 32 GiB message, far above any
-    fragment we plan, while refusing absurd declarations (e.g. ``2**40``
-    elements) without touching memory.  Sizes are in bytes unless noted.
-    """
-
-    max_header_bytes: int = 64 << 10
-    """Length of frame 1 (the msgpack header)."""
-    max_tensors: int = 4096
-    """Number of tensors in one message."""
-    max_tensor_bytes: int = 8 << 30
-    """Bytes of one tensor (numel * itemsize)."""
-    max_message_bytes: int = 32 << 30
-    """Sum of tensor bytes in one message."""
-    max_chunk_bytes: int = 64 << 20
-    """Declared chunk size (every chunk frame is at most this long)."""
-    max_ndim: int = 8
-    """Number of dimensions of one tensor."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_header_bytes",
-            "max_tensors",
-            "max_tensor_bytes",
-            "max_message_bytes",
-            "max_chunk_bytes",
-            "max_ndim",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Limits.{name} must be a non-negative int, got {value!r}")
-
-
-# --------------------------------------------------------------------------- headers
-# Headers are frozen, tagged msgspec Structs: the ``kind`` field names the message
-# and the decoder refuses unknown kinds, unknown fields and wrong field types.
-
-
-class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """One tensor of a message: canonical name, wire dtype name, shape, and one
-    xxh3-64 digest per chunk (so the header MAC covers the payload).
-
-    Encoded as a msgpack array (not a map) to keep headers of fragments with
-    many tensors well under ``Limits.max_header_bytes``.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[int, ...]
-
-
-class _HeaderBase(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
-    """Common config of every header kind (the ``kind`` tag is the UPPERCASE name)."""
-
-
-class Hello(_HeaderBase, tag="HELLO"):
-    """island -> syncer at (re)connect: binds ``island`` to a fresh ``generation``."""
-
-    protocol: int
-    island: int
-    generation: int
-    fingerprint: str
-    n_fragments: int
-    wire_dtype: str
-
-
-class Welcome(_HeaderBase, tag="WELCOME"):
-    """syncer -> island: answer to HELLO; ``need_init`` asks island 0 to stream INIT."""
-
-    protocol: int
-    syncer_id: int
-    need_init: bool
-    versions: tuple[int, ...]
-    sync_every: int
-    total_steps: int
-
-
-class Init(_HeaderBase, tag="INIT"):
-    """island 0 -> syncer: initial fp32 value of one fragment."""
-
-    island: int
-    generation: int
-    fragment: int
-    n_fragments: int
-
-
-class Pull(_HeaderBase, tag="PULL"):
-    """syncer -> island: push your delta of ``fragment`` for this round/attempt."""
-
-    fragment: int
-    round: int
-    attempt: int
-
-
-class Push(_HeaderBase, tag="PUSH"):
-    """island -> syncer: ``local - anchor`` of one fragment, answering a PULL."""
-
-    island: int
-    generation: int
-    fragment: int
-    round: int
-    attempt: int
-    base_version: int
-    local_steps: int
-    tokens: int
-
-
-class Bcast(_HeaderBase, tag="BCAST"):
-    """syncer -> island: the global value of a fragment at ``version``."""
-
-    fragment: int
-    version: int
-    round: int
-    cut: bool
-
-
-class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
-    """Both ways: liveness; island fields from islands, ``syncer_id`` from the syncer."""
-
-    island: int = -1
-    generation: int = 0
-    step: int = 0
-    done: bool = False
-    syncer_id: int = 0
-
-
-class Final(_HeaderBase, tag="FINAL"):
-    """syncer -> island: fp32 final value of one fragment plus the version manifest."""
-
-    fragment: int
-    version: int
-    n_fragments: int
-    versions: tuple[int, ...]
-
-
-class FinalAck(_HeaderBase, tag="FINAL_ACK"):
-    """island -> syncer: the versions the island installed at finalization."""
-
-    island: int
-    generation: int
-    versions: tuple[int, ...]
-
-
-class Shutdown(_HeaderBase, tag="SHUTDOWN"):
-    """syncer -> island: stop; ``reason`` is for the log."""
-
-    reason: str
-
-
-class Error(_HeaderBase, tag="ERROR"):
-    """syncer -> island: a refusal the island should know about (``code`` is stable)."""
-
-    code: str
-    reason: str
-
-
-Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error
-_HEADER_TYPES: tuple[type, ...] = (
+from diloco.wire.hostpool import HostBufferPool, default_receive_pool
+from diloco.wire.schema import (
+    DEFAULT_CHUNK_BYTES,
+    DTYPE_NAMES,
+    ENVELOPE_DECODER,
+    ENVELOPE_ENCODER,
+    HEADER_TYPES,
+    ITEMSIZE,
+    MAC_BYTES,
+    PROBE_DECODER,
+    PROTOCOL_VERSION,
+    WIRE_DTYPES,
+    Envelope,
+    Header,
     Hello,
+    Limits,
+    TensorMeta,
     Welcome,
-    Init,
-    Pull,
-    Push,
-    Bcast,
-    Heartbeat,
-    Final,
-    FinalAck,
-    Shutdown,
-    Error,
+    WireError,
+    kind_of,
 )
-
-
-class _Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What frame 1 holds: the header plus everything needed to size the payload."""
-
-    protocol: int
-    header: Header
-    chunk_bytes: int
-    tensors: tuple[TensorMeta, ...]
-
-
-class _VersionProbe(msgspec.Struct):
-    """Lenient view of an envelope, used only to explain a decode failure by version."""
-
-    protocol: int
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_Envelope)  # strict=True by default: no int<->str/bool coercion
-_PROBE_DECODER = msgspec.msgpack.Decoder(_VersionProbe)
-
-
-def kind_of(header: Header) -> str:
-    """The wire tag of a header (``"HELLO"``, ``"FINAL_ACK"``, ...), for logs and dispatch."""
-    return type(header).__struct_config__.tag  # type: ignore[return-value]
-
 
 class Message(NamedTuple):
     """A decoded message: the typed header and its tensors (CPU, float32/bfloat16, header order)."""
 
     header: Header
     tensors: list[tuple[str, torch.Tensor]]
-
-
-# --------------------------------------------------------------------------- encode
 
 
 def _wire_bytes(tensor: torch.Tensor) -> memoryview:
@@ -342,7 +102,7 @@ def encode(
         TypeError / ValueError: for local misuse (not a header, unknown dtype,
         duplicate names, bad chunk size); never ``WireError``.
     """
-    if not isinstance(header, _HEADER_TYPES):
+    if not isinstance(header, HEADER_TYPES):
         raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"encode: chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -369,7 +129,7 @@ def encode(
         # itself when nothing changes, which keeps the fp32 hot path copy-free.
         if target is not None:
             t = t.to(target)
-        elif t.dtype not in _DTYPE_NAMES:
+        elif t.dtype not in DTYPE_NAMES:
             raise ValueError(f"encode: tensor {name!r} has dtype {t.dtype}; pass wire_dtype or use float32/bfloat16")
         t = t.cpu().contiguous()
         data = _wire_bytes(t)
@@ -378,10 +138,10 @@ def encode(
             chunk = data[offset : offset + chunk_bytes]
             digests.append(xxhash.xxh3_64_intdigest(chunk))
             chunk_frames.append(chunk)
-        metas.append(TensorMeta(name=name, dtype=_DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=tuple(digests)))
+        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=tuple(digests)))
 
-    body = _ENCODER.encode(
-        _Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=chunk_bytes, tensors=tuple(metas))
+    body = ENVELOPE_ENCODER.encode(
+        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=chunk_bytes, tensors=tuple(metas))
     )
     mac = hmac.digest(key, body, "sha256")
     return [mac, body, *chunk_frames]
@@ -404,15 +164,15 @@ def _as_bytes_view(frame: object, index: int) -> memoryview:
     return view
 
 
-def _decode_envelope(body: memoryview) -> _Envelope:
+def _decode_envelope(body: memoryview) -> Envelope:
     """msgspec-decode frame 1, turning any schema failure into a one-line reason."""
     try:
-        return _DECODER.decode(body)
+        return ENVELOPE_DECODER.decode(body)
     except msgspec.DecodeError as exc:
         # A peer speaking another protocol version may have a differently shaped
         # envelope; say so instead of reporting a confusing field error.
         try:
-            probe = _PROBE_DECODER.decode(body)
+            probe = PROBE_DECODER.decode(body)
         except msgspec.DecodeError:
             probe = None
         if probe is not None and probe.protocol != PROTOCOL_VERSION:
@@ -427,7 +187,7 @@ class _Planned(NamedTuple):
     nbytes: int
 
 
-def _check_header(env: _Envelope, limits: Limits) -> None:
+def _check_header(env: Envelope, limits: Limits) -> None:
     """Version and per-kind checks that do not depend on the payload."""
     if env.protocol != PROTOCOL_VERSION:
         raise WireError(f"protocol version {env.protocol}, expected {PROTOCOL_VERSION}")
@@ -442,7 +202,7 @@ def _check_header(env: _Envelope, limits: Limits) -> None:
         raise WireError(f"chunk_bytes {env.chunk_bytes} outside [1, {limits.max_chunk_bytes}]")
 
 
-def _plan_tensors(env: _Envelope, limits: Limits) -> list[_Planned]:
+def _plan_tensors(env: Envelope, limits: Limits) -> list[_Planned]:
     """Check every declared name, dtype, shape and size; allocate nothing."""
     planned: list[_Planned] = []
     names: set[str] = set()
@@ -454,7 +214,7 @@ def _plan_tensors(env: _Envelope, limits: Limits) -> list[_Planned]:
         if meta.name in names:
             raise WireError(f"duplicate tensor name {meta.name[:80]!r}")
         names.add(meta.name)
-        itemsize = _ITEMSIZE.get(meta.dtype)
+        itemsize = ITEMSIZE.get(meta.dtype)
         if itemsize is None:
             raise WireError(f"{where}: dtype {meta.dtype[:40]!r} not in {sorted(WIRE_DTYPES)}")
         if len(meta.shape) > limits.max_ndim:
@@ -483,6 +243,7 @@ def decode(
     *,
     key: bytes = b"",
     limits: Limits = Limits(),
+    pool: HostBufferPool | None = None,
 ) -> Message:
     """Validate and decode one multipart message.
 
@@ -493,6 +254,11 @@ def decode(
     and the message total against ``limits``, the number and length of chunk
     frames; only then are tensors allocated, and each chunk's xxh3-64 digest is
     checked as it is copied in (the one copy decoding makes).
+
+    Tensors come from ``pool`` (default: :func:`default_receive_pool`), so a
+    fragment's buffers freed after one round are reused by the next one
+    instead of page-faulting fresh memory; pass ``HostBufferPool(0)`` for
+    plain ``torch.empty`` tensors.
 
     Raises:
         WireError: with a one-line ``reason`` on anything malformed, oversized,
@@ -527,10 +293,11 @@ def decode(
                 raise WireError(f"chunk {c} of {p.meta.name[:80]!r} is {chunks[j].nbytes} bytes, expected {want}")
             j += 1
 
+    receive_pool = default_receive_pool() if pool is None else pool
     out: list[tuple[str, torch.Tensor]] = []
     j = 0
     for p in planned:
-        tensor = torch.empty(p.meta.shape, dtype=WIRE_DTYPES[p.meta.dtype])
+        tensor = receive_pool.empty(p.meta.shape, WIRE_DTYPES[p.meta.dtype])
         dest = _wire_bytes(tensor)
         offset = 0
         for c, digest in enumerate(p.meta.chunks):

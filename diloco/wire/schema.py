@@ -1,0 +1,246 @@
+"""Wire schema: protocol constants, limits, and the typed message headers.
+
+The headers are frozen, tagged msgspec Structs (``kind`` = the UPPERCASE kind
+name) decoded strictly from msgpack: unknown kinds, unknown fields and wrong
+field types are refused by the decoder itself, never coerced, and nothing is
+ever unpickled.  The meaning of each kind and the round rules live in
+``docs/PROTOCOL.md``; :mod:`diloco.wire.codec` turns headers plus tensors into
+zmq frames and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+PROTOCOL_VERSION: int = 1
+"""Bumped on any incompatible change of the envelope or of a header kind."""
+
+DEFAULT_CHUNK_BYTES: int = 4 << 20
+"""Chunk size used by :func:`encode`: large enough that per-frame overhead is
+negligible, small enough that a chunk stays in cache between hashing and copying."""
+
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The only tensor dtypes that may travel; keys are the names used in headers."""
+
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
+ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2}
+
+MAC_BYTES: int = 32
+"""Length of frame 0 (an HMAC-SHA256 digest)."""
+
+
+class WireError(Exception):
+    """A received message was refused; ``reason`` is one line, suitable for a log.
+
+    Raised only by :func:`decode` (and never for local programming errors, which
+    raise ``ValueError``/``TypeError`` from :func:`encode`), so a receive loop
+    can catch exactly this, log ``reason`` and go on serving.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason: str = reason
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a receiver enforces on every declared size before allocating.
+
+    The defaults admit a 8 GiB tensor and a 32 GiB message, far above any
+    fragment we plan, while refusing absurd declarations (e.g. ``2**40``
+    elements) without touching memory.  Sizes are in bytes unless noted.
+    """
+
+    max_header_bytes: int = 64 << 10
+    """Length of frame 1 (the msgpack header)."""
+    max_tensors: int = 4096
+    """Number of tensors in one message."""
+    max_tensor_bytes: int = 8 << 30
+    """Bytes of one tensor (numel * itemsize)."""
+    max_message_bytes: int = 32 << 30
+    """Sum of tensor bytes in one message."""
+    max_chunk_bytes: int = 64 << 20
+    """Declared chunk size (every chunk frame is at most this long)."""
+    max_ndim: int = 8
+    """Number of dimensions of one tensor."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_header_bytes",
+            "max_tensors",
+            "max_tensor_bytes",
+            "max_message_bytes",
+            "max_chunk_bytes",
+            "max_ndim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Limits.{name} must be a non-negative int, got {value!r}")
+
+
+# --------------------------------------------------------------------------- headers
+# Headers are frozen, tagged msgspec Structs: the ``kind`` field names the message
+# and the decoder refuses unknown kinds, unknown fields and wrong field types.
+
+
+class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One tensor of a message: canonical name, wire dtype name, shape, and one
+    xxh3-64 digest per chunk (so the header MAC covers the payload).
+
+    Encoded as a msgpack array (not a map) to keep headers of fragments with
+    many tensors well under ``Limits.max_header_bytes``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+
+class _HeaderBase(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
+    """Common config of every header kind (the ``kind`` tag is the UPPERCASE name)."""
+
+
+class Hello(_HeaderBase, tag="HELLO"):
+    """island -> syncer at (re)connect: binds ``island`` to a fresh ``generation``."""
+
+    protocol: int
+    island: int
+    generation: int
+    fingerprint: str
+    n_fragments: int
+    wire_dtype: str
+
+
+class Welcome(_HeaderBase, tag="WELCOME"):
+    """syncer -> island: answer to HELLO; ``need_init`` asks island 0 to stream INIT."""
+
+    protocol: int
+    syncer_id: int
+    need_init: bool
+    versions: tuple[int, ...]
+    sync_every: int
+    total_steps: int
+
+
+class Init(_HeaderBase, tag="INIT"):
+    """island 0 -> syncer: initial fp32 value of one fragment."""
+
+    island: int
+    generation: int
+    fragment: int
+    n_fragments: int
+
+
+class Pull(_HeaderBase, tag="PULL"):
+    """syncer -> island: push your delta of ``fragment`` for this round/attempt."""
+
+    fragment: int
+    round: int
+    attempt: int
+
+
+class Push(_HeaderBase, tag="PUSH"):
+    """island -> syncer: ``local - anchor`` of one fragment, answering a PULL."""
+
+    island: int
+    generation: int
+    fragment: int
+    round: int
+    attempt: int
+    base_version: int
+    local_steps: int
+    tokens: int
+
+
+class Bcast(_HeaderBase, tag="BCAST"):
+    """syncer -> island: the global value of a fragment at ``version``."""
+
+    fragment: int
+    version: int
+    round: int
+    cut: bool
+
+
+class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
+    """Both ways: liveness; island fields from islands, ``syncer_id`` from the syncer."""
+
+    island: int = -1
+    generation: int = 0
+    step: int = 0
+    done: bool = False
+    syncer_id: int = 0
+
+
+class Final(_HeaderBase, tag="FINAL"):
+    """syncer -> island: fp32 final value of one fragment plus the version manifest."""
+
+    fragment: int
+    version: int
+    n_fragments: int
+    versions: tuple[int, ...]
+
+
+class FinalAck(_HeaderBase, tag="FINAL_ACK"):
+    """island -> syncer: the versions the island installed at finalization."""
+
+    island: int
+    generation: int
+    versions: tuple[int, ...]
+
+
+class Shutdown(_HeaderBase, tag="SHUTDOWN"):
+    """syncer -> island: stop; ``reason`` is for the log."""
+
+    reason: str
+
+
+class Error(_HeaderBase, tag="ERROR"):
+    """syncer -> island: a refusal the island should know about (``code`` is stable)."""
+
+    code: str
+    reason: str
+
+
+Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error
+HEADER_TYPES: tuple[type, ...] = (
+    Hello,
+    Welcome,
+    Init,
+    Pull,
+    Push,
+    Bcast,
+    Heartbeat,
+    Final,
+    FinalAck,
+    Shutdown,
+    Error,
+)
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What frame 1 holds: the header plus everything needed to size the payload."""
+
+    protocol: int
+    header: Header
+    chunk_bytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+class VersionProbe(msgspec.Struct):
+    """Lenient view of an envelope, used only to explain a decode failure by version."""
+
+    protocol: int
+
+
+ENVELOPE_ENCODER = msgspec.msgpack.Encoder()
+ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)  # strict=True by default: no int<->str/bool coercion
+PROBE_DECODER = msgspec.msgpack.Decoder(VersionProbe)
+
+
+def kind_of(header: Header) -> str:
+    """The wire tag of a header (``"HELLO"``, ``"FINAL_ACK"``, ...), for logs and dispatch."""
+    return type(header).__struct_config__.tag  # type: ignore[return-value]
