@@ -1,0 +1,151 @@
+"""The ``yeto`` callback's logic, free of any ms-swift import, so it runs and is tested on CPU.
+
+ms-swift's Megatron trainer calls its callbacks on every rank: ``on_train_begin`` once the
+model, the DDP wrappers and the optimizer exist (after Megatron created its process groups),
+``on_step_end`` right after ``optimizer.step()`` and ``state.iteration += 1``, ``on_log`` with
+the reduced metrics every ``--logging_steps``, ``on_train_end`` after the last step.
+:class:`YetoIslandHooks` maps those onto the island core:
+
+* ``on_train_begin`` → read ``YETO_*`` (:meth:`IslandConfig.from_env`), create the island's
+  gloo group, build :class:`MegatronLayout` over the trainer's DDP chunks and ChainedOptimizer,
+  build :class:`Island` and run :meth:`Island.start` (HELLO, INIT when asked, initial cut);
+* ``on_step_end`` → :meth:`Island.step_end` (the step boundary);
+* ``on_log`` → remember the last training loss, written to the step log at the next boundary;
+* ``on_train_end`` → :meth:`Island.finish` (final cut), then the optional final digest.
+
+Every hook runs on every rank, in the same order, so every collective inside (group creation,
+layout table exchange, boundaries) is entered by all ranks of the island together. A missing
+``YETO_SYNC_ADDR`` / ``YETO_ISLAND_ID`` raises :class:`ConfigError` on every rank at once
+(they share the environment), before any collective is started.
+
+``plugin.py`` subclasses ms-swift's ``MegatronCallback`` and delegates here; the trainer object
+only needs the attributes ms-swift's ``BaseMegatronTrainer`` gives a callback: ``args``
+(``global_batch_size``, ``seq_length`` / ``max_length``), ``state`` (``iteration``),
+``wrapped_models``, ``unwrapped_models`` and ``optimizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from diloco.config import ConfigError, IslandConfig
+from swift_plugin.options import PluginOptions
+
+log = logging.getLogger(__name__)
+
+
+class YetoIslandHooks:
+    """DiLoCo for one ms-swift Megatron job (one island); build one per rank with the trainer.
+
+    Args:
+        trainer: ms-swift's Megatron trainer (or anything with the same attributes, see the
+            module docstring). Read lazily: the model and optimizer only exist by
+            ``on_train_begin``.
+        env: where ``YETO_*`` variables come from (default ``os.environ``); tests pass a dict.
+    """
+
+    def __init__(self, trainer: Any, env: Mapping[str, str] | None = None) -> None:
+        self.trainer = trainer
+        self.env = env
+        self.island: Any = None
+        self.config: IslandConfig | None = None
+        self.options = PluginOptions.from_env(env)
+        self.final_versions: list[int] | None = None
+        self.final_digests: list[str] | None = None
+        self._last_loss: float | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_begin(self) -> None:
+        """Join the syncer: config, island group, layout, :meth:`Island.start` (collective)."""
+        from diloco.island.boundary import Island
+        from diloco.layout.megatron import MegatronLayout
+
+        try:
+            config = IslandConfig.from_env(self.env)
+        except ConfigError as exc:
+            # Every rank sees the same environment, so every rank raises here together.
+            raise ConfigError(f"the yeto callback is enabled (--callbacks yeto) but its configuration is "
+                              f"incomplete: {exc}") from exc
+        tokens = config.tokens_per_step or tokens_per_step_from_args(self.trainer.args)
+        if tokens:
+            config = config.replace(tokens_per_step=tokens)
+        else:
+            log.warning("yeto: tokens per step unknown (no global_batch_size / seq_length in the job's args, "
+                        "YETO_DILOCO_TOKENS_PER_STEP unset): this island's pushes weigh by steps")
+        self.config = config
+        # The island's own CPU group, shared by the layout (canonical table exchange) and the
+        # island (orders, export, apply). Created by every rank in the same order: the default
+        # group of a GPU job is NCCL, which cannot carry the CPU tensors the sync core uses.
+        group = dist.new_group(backend="gloo")
+        layout = MegatronLayout(list(self.trainer.wrapped_models), self.trainer.optimizer,
+                                vocab_size=true_vocab_size(self.trainer), group=group)
+        self.island = Island(config, layout, group=group, tokens_per_step=config.tokens_per_step or None)
+        log.info("yeto: island %d rank %d joining %s (%d fragments, %s tokens/step)", config.island_id,
+                 dist.get_rank(group), config.sync_addr, self.island.plan.n_fragments,
+                 config.tokens_per_step or "unknown")
+        self.island.start()
+
+    def on_step_end(self) -> None:
+        """The step boundary, right after ``optimizer.step()`` (collective)."""
+        if self.island is None:
+            raise RuntimeError("yeto: on_step_end before on_train_begin")
+        self.island.step_end(int(self.trainer.state.iteration), self._last_loss)
+
+    def on_log(self, logs: Mapping[str, Any]) -> None:
+        """Remember the last training loss (only ranks of the last PP stage see one)."""
+        value = logs.get("loss")
+        try:
+            loss = float(value) if value is not None else None
+        except (TypeError, ValueError):
+            loss = None
+        if loss is not None and math.isfinite(loss):
+            self._last_loss = loss
+
+    def on_train_end(self) -> None:
+        """Final cut (collective), then the optional digest of the final global parameters."""
+        if self.island is None:
+            raise RuntimeError("yeto: on_train_end before on_train_begin")
+        from swift_plugin.digest import fragment_digests, write_digest_file
+
+        self.final_versions = self.island.finish()
+        log.info("yeto: island %d finished at step %d, final versions %s", self.island.cfg.island_id,
+                 self.island.step, self.final_versions)
+        assert self.config is not None
+        path = self.options.digest_path(self.config.island_id)
+        if path is None:
+            return
+        # Collective export of every fragment; only the sync rank receives and writes.
+        self.final_digests = fragment_digests(self.island)
+        if self.final_digests is not None:
+            write_digest_file(path, self.config.island_id, self.final_versions, self.final_digests)
+
+
+def tokens_per_step_from_args(args: Any) -> int:
+    """Tokens one optimizer step consumes: ``global_batch_size`` x sequence length (0 if unknown).
+
+    ms-swift sets ``seq_length = packing_length or max_length``; it is an upper bound (padding
+    counts), which is what weights need: the same for every step of the island.
+    """
+    gbs = getattr(args, "global_batch_size", None)
+    seq = getattr(args, "seq_length", None) or getattr(args, "max_length", None)
+    if not gbs or not seq:
+        return 0
+    return int(gbs) * int(seq)
+
+
+def true_vocab_size(trainer: Any) -> int | None:
+    """The vocabulary size before Megatron pads it to a multiple of TP (None when unknown).
+
+    mcore-bridge keeps the HF ``vocab_size`` as ``config.padded_vocab_size`` and the GPTModel
+    rounds it up to a multiple of TP; islands with different TP must agree on the canonical
+    shape, so the layout gets the unrounded value.
+    """
+    chunks = getattr(trainer, "unwrapped_models", None) or []
+    config = getattr(trainer, "config", None) or (getattr(chunks[0], "config", None) if chunks else None)
+    value = getattr(config, "padded_vocab_size", None)
+    return int(value) if value else None
