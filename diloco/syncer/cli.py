@@ -1,0 +1,132 @@
+"""``yeto-syncer``: command line entry point of the syncer process.
+
+Parses and validates flags (a bad value exits 2 with a message naming the
+flag), reads the HMAC key from ``--key-file`` or ``YETO_SYNC_KEY``, optionally
+resumes from the newest complete checkpoint, then runs the ROUTER loop.
+Exit codes: 0 finished (every island acknowledged the final cut), 1
+finalization failed, 2 bad configuration, 130 interrupted (checkpoint written).
+Every flag is listed in docs/SYNCER.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.loop import LoopOptions, SyncerLoop
+from diloco.syncer.state import SyncerState
+from diloco.syncer.store import CheckpointStore
+
+log = logging.getLogger("diloco.syncer")
+
+KEY_ENV = "YETO_SYNC_KEY"
+EXIT_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="yeto-syncer", description="DiLoCo syncer: merges fragment deltas from islands.")
+    p.add_argument("--bind", default="tcp://0.0.0.0:5555", help="zmq endpoint to bind")
+    p.add_argument("--islands", type=int, required=True, help="number of islands (ids 0..N-1)")
+    p.add_argument("--quorum", type=int, default=0, help="K pushes that may close a round after the grace window (default: all islands)")
+    p.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two syncs of one fragment")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    p.add_argument("--quorum-timeout-s", type=float, default=600.0, help="seconds an attempt waits for K pushes before re-pulling")
+    p.add_argument("--grace-ms", type=float, default=2000.0, help="ms a round with >= K pushes waits for stragglers")
+    p.add_argument("--total-steps", type=int, default=0, help="last inner step (0: finalize when islands report done)")
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint directory (none: no checkpoints)")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N commits (0: final only)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--key-file", default=None, help=f"file holding the shared HMAC key (else env {KEY_ENV})")
+    p.add_argument("--weighting", default="tokens", choices=("tokens", "equal"), help="merge weights")
+    p.add_argument("--dead-after-s", type=float, default=120.0, help="an island silent this long leaves the live set")
+    p.add_argument("--final-timeout-s", type=float, default=600.0, help="seconds to wait for every FINAL_ACK")
+    p.add_argument("--event-log", default=None, help="JSON-lines file, one line per commit")
+    p.add_argument("--status-every-s", type=float, default=2.0, help="period of the status line on stderr")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
+    return p
+
+
+def _read_key(key_file: str | None) -> bytes:
+    if key_file is not None:
+        try:
+            with open(key_file, "rb") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"--key-file: cannot read {key_file}: {e.strerror}") from e
+        if not key:
+            raise ConfigError(f"--key-file: {key_file} is empty")
+        return key
+    return os.environ.get(KEY_ENV, "").encode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = SyncerConfig(
+            islands=args.islands,
+            quorum=args.quorum,
+            sync_every=args.sync_every,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            quorum_timeout_s=args.quorum_timeout_s,
+            grace_ms=args.grace_ms,
+            total_steps=args.total_steps,
+            checkpoint_every=args.checkpoint_every,
+            weighting=args.weighting,
+            dead_after_s=args.dead_after_s,
+            final_timeout_s=args.final_timeout_s,
+        )
+        if args.resume and not args.checkpoint_dir:
+            raise ConfigError("--resume: needs --checkpoint-dir")
+        if not args.status_every_s > 0:
+            raise ConfigError(f"--status-every-s: must be > 0, got {args.status_every_s}")
+        key = _read_key(args.key_file)
+    except ConfigError as e:
+        log.error("bad configuration: %s", e)
+        return EXIT_CONFIG
+    if not key:
+        log.warning(
+            "NO KEY SET (--key-file / %s): messages are UNAUTHENTICATED; anyone who can reach %s can push deltas",
+            KEY_ENV, args.bind,
+        )
+    store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
+    snapshot = None
+    if args.resume and store is not None:
+        found = store.load_latest()
+        if found is None:
+            log.error("--resume: no complete checkpoint in %s", args.checkpoint_dir)
+            return EXIT_CONFIG
+        path, snapshot = found
+        log.info("resuming from %s", path)
+    try:
+        state = SyncerState(config, snapshot=snapshot)
+    except ValueError as e:
+        log.error("--resume: checkpoint does not fit this configuration: %s", e)
+        return EXIT_CONFIG
+    options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s)
+    try:
+        loop = SyncerLoop(state, options, store)
+    except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
+        log.error("--bind/--event-log: cannot start: %s", e)
+        return EXIT_CONFIG
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        log.warning("signal %d received", signum)
+        loop.stop_event.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    # Tests and launchers read the real endpoint (``--bind tcp://127.0.0.1:0``) from here.
+    log.info("bound %s", loop.endpoint)
+    return loop.run()

@@ -1,0 +1,250 @@
+"""Checkpoint store of the syncer: safetensors + a JSON manifest, written atomically.
+
+Layout (docs/PROTOCOL.md, "Checkpoint")::
+
+    DIR/ckpt-00000042/values.safetensors     fp32 global values, key "<fragment>/<name>"
+    DIR/ckpt-00000042/momentum.safetensors   fp32 outer momentum, same keys
+    DIR/ckpt-00000042/manifest.json          fingerprint, versions, schemas, next round, ledgers, hyper
+    DIR/latest                               "ckpt-00000042\n"
+
+Why this way: a crash at any moment must leave a loadable checkpoint. Each one is
+written into a temporary directory, fsynced and renamed into place with one
+``os.replace``; only then is ``latest`` replaced (also a rename). A reader that
+finds ``latest`` missing or pointing at a broken directory falls back to the
+newest directory whose manifest and files validate. Nothing is ever pickled:
+safetensors holds raw tensors, the manifest is plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from diloco.syncer.records import FragmentSnapshot, Snapshot, TensorSpec
+
+log = logging.getLogger(__name__)
+
+FORMAT = "yeto-syncer-checkpoint/1"
+_CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete or inconsistent."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _key(fragment: int, name: str) -> str:
+    return f"{fragment}/{name}"
+
+
+class CheckpointStore:
+    """Writes and finds syncer checkpoints under one directory.
+
+    Args:
+        root: the checkpoint directory (``--checkpoint-dir``); created if needed.
+        keep: how many complete checkpoints to keep (oldest deleted after a
+            successful write; at least 1).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 3) -> None:
+        self.root = Path(root)
+        self.keep = max(1, keep)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ write
+
+    def _existing(self) -> list[tuple[int, Path]]:
+        found = []
+        for p in self.root.iterdir():
+            m = _CKPT_RE.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def save(self, snap: Snapshot) -> Path:
+        """Write ``snap`` as the next checkpoint and point ``latest`` at it."""
+        existing = self._existing()
+        seq = existing[-1][0] + 1 if existing else 1
+        name = f"ckpt-{seq:08d}"
+        final = self.root / name
+        tmp = self.root / f".tmp-{name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        values: dict[str, torch.Tensor] = {}
+        momentum: dict[str, torch.Tensor] = {}
+        frags: list[dict[str, Any]] = []
+        for idx, fs in enumerate(snap.fragments):
+            for (tname, _dt, _shape), v, m in zip(fs.schema, fs.values, fs.momentum):
+                values[_key(idx, tname)] = v.contiguous()
+                momentum[_key(idx, tname)] = m.contiguous()
+            frags.append(
+                {"version": fs.version, "schema": [[n, d, list(s)] for n, d, s in fs.schema]}
+            )
+        save_file(values, str(tmp / "values.safetensors"))
+        save_file(momentum, str(tmp / "momentum.safetensors"))
+        manifest = {
+            "format": FORMAT,
+            "fingerprint": snap.fingerprint,
+            "n_fragments": snap.n_fragments,
+            "fragments": frags,
+            "next_round": snap.next_round,
+            "ledgers": {str(k): v for k, v in snap.ledgers.items()},
+            "hyper": snap.hyper,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        for f in ("values.safetensors", "momentum.safetensors", "manifest.json"):
+            _fsync_file(tmp / f)
+        _fsync_dir(tmp)
+        # Ordering: the directory is complete before it gets its final name, and
+        # it has its final name before ``latest`` may point at it.
+        os.replace(tmp, final)
+        pointer_tmp = self.root / f".latest-{os.getpid()}"
+        pointer_tmp.write_text(name + "\n")
+        _fsync_file(pointer_tmp)
+        os.replace(pointer_tmp, self.root / "latest")
+        _fsync_dir(self.root)
+        for _seq, old in self._existing()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s written (versions %s, next round %d)", final, [f.version for f in snap.fragments], snap.next_round)
+        return final
+
+    # ------------------------------------------------------------------ read
+
+    def _candidates(self) -> list[Path]:
+        candidates: list[Path] = []
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            if _CKPT_RE.match(name):
+                candidates.append(self.root / name)
+        candidates.extend(p for _s, p in reversed(self._existing()) if p not in candidates)
+        return candidates
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint whose manifest validates: ``latest`` first, then by sequence."""
+        for path in self._candidates():
+            try:
+                self._read_manifest(path)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+                continue
+            return path
+        return None
+
+    def load_latest(self) -> tuple[Path, Snapshot] | None:
+        """Load the newest checkpoint that fully validates (manifest and tensors), or None."""
+        for path in self._candidates():
+            try:
+                return path, self.load(path)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+            except Exception as e:  # safetensors raises its own errors on torn files
+                log.warning("skipping checkpoint %s: unreadable tensors: %s", path, e)
+        return None
+
+    @staticmethod
+    def _read_manifest(path: Path) -> dict[str, Any]:
+        mpath = path / "manifest.json"
+        for f in ("values.safetensors", "momentum.safetensors", "manifest.json"):
+            if not (path / f).is_file():
+                raise CheckpointError(f"{f} missing")
+        if mpath.stat().st_size > _MAX_MANIFEST_BYTES:
+            raise CheckpointError("manifest too large")
+        try:
+            man = json.loads(mpath.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"manifest unreadable: {e}") from e
+        if not isinstance(man, dict) or man.get("format") != FORMAT:
+            raise CheckpointError(f"manifest format is not {FORMAT}")
+        fp, nf, nr = man.get("fingerprint"), man.get("n_fragments"), man.get("next_round")
+        frags, ledgers = man.get("fragments"), man.get("ledgers")
+        if not isinstance(fp, str) or not fp:
+            raise CheckpointError("bad fingerprint")
+        if type(nf) is not int or nf < 1 or not isinstance(frags, list) or len(frags) != nf:
+            raise CheckpointError("n_fragments does not match the fragment list")
+        if type(nr) is not int or nr < 1:
+            raise CheckpointError("bad next_round")
+        if not isinstance(ledgers, dict) or not isinstance(man.get("hyper"), dict):
+            raise CheckpointError("bad ledgers or hyper")
+        for k, led in ledgers.items():
+            if not k.isdigit() or not isinstance(led, dict) or any(
+                type(led.get(f)) is not int or led[f] < 0 for f in ("merges", "steps", "tokens")
+            ):
+                raise CheckpointError(f"bad ledger for island {k!r}")
+        for i, fr in enumerate(frags):
+            if not isinstance(fr, dict) or type(fr.get("version")) is not int or fr["version"] < 0:
+                raise CheckpointError(f"fragment {i}: bad version")
+            schema = fr.get("schema")
+            if not isinstance(schema, list) or not schema:
+                raise CheckpointError(f"fragment {i}: bad schema")
+            for spec in schema:
+                if (
+                    not isinstance(spec, list)
+                    or len(spec) != 3
+                    or not isinstance(spec[0], str)
+                    or spec[1] not in ("float32", "bfloat16")
+                    or not isinstance(spec[2], list)
+                    or not all(type(s) is int and s >= 0 for s in spec[2])
+                ):
+                    raise CheckpointError(f"fragment {i}: bad tensor spec {str(spec)[:80]}")
+        return man
+
+    def load(self, path: str | os.PathLike[str]) -> Snapshot:
+        """Load and validate one checkpoint directory (shapes and dtypes against the manifest)."""
+        path = Path(path)
+        man = self._read_manifest(path)
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for which in ("values", "momentum"):
+            with safe_open(str(path / f"{which}.safetensors"), framework="pt") as f:
+                tensors[which] = {k: f.get_tensor(k) for k in f.keys()}
+        frags: list[FragmentSnapshot] = []
+        expected_keys: set[str] = set()
+        for idx, fr in enumerate(man["fragments"]):
+            schema: tuple[TensorSpec, ...] = tuple((n, d, tuple(s)) for n, d, s in fr["schema"])
+            vals, moms = [], []
+            for name, _d, shape in schema:
+                key = _key(idx, name)
+                expected_keys.add(key)
+                for which, dest in (("values", vals), ("momentum", moms)):
+                    t = tensors[which].get(key)
+                    if t is None:
+                        raise CheckpointError(f"{which}: tensor {key!r} missing")
+                    if t.dtype != torch.float32 or tuple(t.shape) != shape:
+                        raise CheckpointError(f"{which}: {key!r} is {t.dtype} {tuple(t.shape)}, manifest says {shape}")
+                    dest.append(t)
+            frags.append(FragmentSnapshot(fr["version"], schema, tuple(vals), tuple(moms)))
+        for which in ("values", "momentum"):
+            extra = set(tensors[which]) - expected_keys
+            if extra:
+                raise CheckpointError(f"{which}: unexpected tensors {sorted(extra)[:4]}")
+        return Snapshot(
+            fingerprint=man["fingerprint"],
+            n_fragments=man["n_fragments"],
+            fragments=tuple(frags),
+            next_round=man["next_round"],
+            ledgers={int(k): dict(v) for k, v in man["ledgers"].items()},
+            hyper=dict(man["hyper"]),
+        )
