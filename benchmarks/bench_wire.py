@@ -1,0 +1,196 @@
+"""Benchmarks of the sync data path, each against a baseline measured in the same run.
+
+(a) ``wire_vs_zmq``: a fragment of fp32 tensors travels island (DEALER) ->
+    syncer (ROUTER) -> island through ``diloco.wire`` (encode, zero-copy
+    send, receive, validate + decode, and the same back), versus the very same
+    bytes in the very same frame sizes over a bare DEALER/ROUTER pair that
+    neither hashes, authenticates nor copies.  Ratio = bare_time / wire_time
+    (higher is better; 1.0 means the protocol costs nothing; target >= 0.8).
+
+Usage::
+
+    python benchmarks/bench_wire.py [--mib 256] [--repeat 5]
+
+Human-readable lines first; the last line printed is one JSON object with the
+figures (``main()`` collects them from the ``bench_*`` functions, so further
+benchmarks add a function and one line in ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import zmq
+
+# Run from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diloco import wire  # noqa: E402
+
+log = logging.getLogger("bench_wire")
+
+_KEY = b"bench-shared-key"
+_RECV_TIMEOUT_MS = 120_000  # a hung peer turns into an error, not a stuck benchmark
+
+
+def _fragment(total_mib: int, n_tensors: int = 4) -> list[tuple[str, torch.Tensor]]:
+    """``n_tensors`` fp32 tensors of ``total_mib`` MiB in all (2-D, like weight matrices)."""
+    numel = (total_mib << 20) // 4 // n_tensors
+    cols = 1024
+    rows = max(1, numel // cols)
+    gen = torch.Generator().manual_seed(0)
+    return [(f"decoder.layers.{i}.mlp.weight", torch.randn(rows, cols, generator=gen)) for i in range(n_tensors)]
+
+
+def _pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+    """A bound ROUTER (syncer side) and a connected DEALER (island side) on a free port."""
+    router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    for s in (router, dealer):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, _RECV_TIMEOUT_MS)
+        s.setsockopt(zmq.SNDTIMEO, _RECV_TIMEOUT_MS)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    return router, dealer
+
+
+def _serve(router: zmq.Socket, rounds: int, handle: Callable[[list[zmq.Frame]], list]) -> threading.Thread:
+    """Run the syncer side in a thread: receive ``rounds`` messages, answer each with ``handle``."""
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            for _ in range(rounds):
+                ident, *frames = router.recv_multipart(copy=False)
+                router.send_multipart([ident, *handle(frames)], copy=False)
+        except BaseException as exc:  # reported by the caller through .errors
+            errors.append(exc)
+
+    thread = threading.Thread(target=loop, name="bench-syncer", daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def _timed_rounds(dealer: zmq.Socket, rounds: int, one_round: Callable[[], None]) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        one_round()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_wire_vs_zmq(mib: int = 256, repeat: int = 5, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> dict:
+    """Round trip of a ``mib`` MiB fp32 fragment through the protocol vs bare zmq.
+
+    Both legs run in one process (syncer side in a thread), alternating bare
+    and protocol rounds so that background load hits both alike; the figure
+    is the ratio of medians.
+    """
+    tensors = _fragment(mib)
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    push = wire.Push(island=0, generation=1, fragment=0, round=1, attempt=0, base_version=0, local_steps=10, tokens=1)
+    bcast = wire.Bcast(fragment=0, version=1, round=1, cut=False)
+
+    # The bare baseline sends exactly the frames the protocol would (same count and sizes).
+    template = wire.encode(push, tensors, key=_KEY, chunk_bytes=chunk_bytes)
+    bare_frames = [bytes(template[0]), bytes(template[1]), *template[2:]]
+
+    # Correctness first (untimed): what comes back is bit-identical.
+    ctx = zmq.Context()
+    try:
+        router, dealer = _pair(ctx)
+
+        def syncer_side(frames: list[zmq.Frame]) -> list:
+            msg = wire.decode(frames, key=_KEY)
+            return wire.encode(bcast, msg.tensors, key=_KEY, chunk_bytes=chunk_bytes)
+
+        def echo_side(frames: list[zmq.Frame]) -> list:
+            return frames
+
+        def wire_round() -> None:
+            dealer.send_multipart(wire.encode(push, tensors, key=_KEY, chunk_bytes=chunk_bytes), copy=False)
+            back = wire.decode(dealer.recv_multipart(copy=False), key=_KEY)
+            assert len(back.tensors) == len(tensors)
+
+        def bare_round() -> None:
+            dealer.send_multipart(bare_frames, copy=False)
+            back = dealer.recv_multipart(copy=False)
+            assert len(back) == len(bare_frames)
+
+        # Check once that the protocol round trip is exact.
+        server = _serve(router, 1, syncer_side)
+        dealer.send_multipart(wire.encode(push, tensors, key=_KEY, chunk_bytes=chunk_bytes), copy=False)
+        back = wire.decode(dealer.recv_multipart(copy=False), key=_KEY)
+        server.join()
+        if server.errors:  # type: ignore[attr-defined]
+            raise server.errors[0]  # type: ignore[attr-defined]
+        for (name, sent), (got_name, got) in zip(tensors, back.tensors):
+            if name != got_name or not torch.equal(sent, got):
+                raise RuntimeError(f"round trip changed tensor {name}")
+
+        bare_times: list[float] = []
+        wire_times: list[float] = []
+        # Warm-up round of each, then alternate.
+        for label, handler, runner, sink in (
+            ("bare", echo_side, bare_round, []),
+            ("wire", syncer_side, wire_round, []),
+        ) * 1 + tuple(
+            item
+            for _ in range(repeat)
+            for item in (
+                ("bare", echo_side, bare_round, bare_times),
+                ("wire", syncer_side, wire_round, wire_times),
+            )
+        ):
+            server = _serve(router, 1, handler)
+            sink.extend(_timed_rounds(dealer, 1, runner))
+            server.join()
+            if server.errors:  # type: ignore[attr-defined]
+                raise server.errors[0]  # type: ignore[attr-defined]
+    finally:
+        ctx.destroy(linger=0)
+
+    bare = statistics.median(bare_times)
+    ours = statistics.median(wire_times)
+    gib = 2 * nbytes / (1 << 30)  # both directions
+    print(f"wire (a): {mib} MiB fp32 fragment, {len(tensors)} tensors, {len(template) - 2} chunks of "
+          f"{chunk_bytes >> 20} MiB, island -> syncer -> island, median of {repeat}")
+    print(f"  bare zmq DEALER/ROUTER : {bare * 1e3:8.1f} ms  ({gib / bare:6.2f} GiB/s)")
+    print(f"  diloco.wire            : {ours * 1e3:8.1f} ms  ({gib / ours:6.2f} GiB/s)")
+    print(f"  wire_vs_zmq (bare/ours): {bare / ours:.3f}  (target >= 0.8)")
+    return {
+        "wire_vs_zmq": round(bare / ours, 4),
+        "wire_ms": round(ours * 1e3, 2),
+        "bare_zmq_ms": round(bare * 1e3, 2),
+        "wire_mib": mib,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=256, help="fragment size in MiB (default 256)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed repeats per variant (default 5)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+
+    figures: dict = {}
+    figures.update(bench_wire_vs_zmq(mib=args.mib, repeat=args.repeat))
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
