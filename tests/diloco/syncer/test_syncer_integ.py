@@ -1,0 +1,123 @@
+"""A real yeto-syncer process and three scripted islands: 20 rounds over 4 fragments, then FINAL.
+
+The syncer's values (as broadcast, in FINAL and in the final checkpoint) must equal
+a numpy reference of the weighted mean + Nesterov formula bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from diloco.syncer.store import CheckpointStore
+from diloco.wire import Bcast, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome
+from syncer_harness import Island, SyncerProc, reference_step
+
+P = 4
+SHAPES = [[("w", (24, 16)), ("b", (16,))], [("w", (40,))], [("w", (8, 8)), ("n", (3,))], [("e", (5, 7))]]
+
+
+def names(f: int, arrays: list[np.ndarray]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.from_numpy(a)) for (n, _s), a in zip(SHAPES[f], arrays)]
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(180)
+def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
+    rng = np.random.default_rng(1)
+    ckpt = tmp_path / "ckpt"
+    events = tmp_path / "events.jsonl"
+    syncer = SyncerProc(tmp_path, [
+        "--islands", "3", "--sync-every", "4", "--total-steps", "20", "--grace-ms", "50",
+        "--quorum-timeout-s", "60", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+        "--event-log", str(events), "--final-timeout-s", "30",
+    ])
+    ctx = zmq.Context()
+    dtypes = ["float32", "float32", "bfloat16"]
+    islands = [Island(ctx, syncer.endpoint, i, wire_dtype=dtypes[i]) for i in range(3)]
+    try:
+        for isl in islands:
+            isl.send(Hello(protocol=1, island=isl.island, generation=isl.generation, fingerprint="fp-integ",
+                           n_fragments=P, wire_dtype=isl.wire_dtype))
+        welcomes = [isl.expect(Welcome).header for isl in islands]
+        assert [w.need_init for w in welcomes] == [True, False, False]
+        value = [[rng.standard_normal(s).astype(np.float32) for _n, s in SHAPES[f]] for f in range(P)]
+        mom = [[np.zeros_like(a) for a in fr] for fr in value]
+        for f in range(P):
+            islands[0].send(Init(island=0, generation=islands[0].generation, fragment=f, n_fragments=P), names(f, value[f]))
+        for isl in islands:
+            got = {}
+            for _ in range(P):
+                m = isl.expect(Bcast)
+                assert m.header.cut and m.header.version == 0
+                got[m.header.fragment] = m
+            assert sorted(got) == list(range(P))
+            assert np.array_equal(got[1].tensors[0][1].float().numpy(),
+                                  torch.from_numpy(value[1][0]).to(torch.__dict__[isl.wire_dtype]).float().numpy())
+
+        versions = [0] * P
+        for step in range(1, 21):
+            for isl in islands:
+                isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=step))
+            f = (step - 1) % P
+            deltas, ws = [], []
+            for isl in islands:
+                pull = isl.expect(Pull).header
+                assert (pull.fragment, pull.round, pull.attempt) == (f, step, 0)
+                d = [(rng.standard_normal(s) * 0.01).astype(np.float32) for _n, s in SHAPES[f]]
+                tensors = names(f, d)
+                if isl.wire_dtype == "bfloat16":
+                    tensors = [(n, t.bfloat16()) for n, t in tensors]
+                    d = [t.float().numpy() for _n, t in tensors]
+                steps = 0 if (step == 7 and isl.island == 1) else 4
+                tokens = int(rng.integers(1, 5000))
+                isl.send(Push(island=isl.island, generation=isl.generation, fragment=f, round=step, attempt=0,
+                              base_version=versions[f], local_steps=steps, tokens=tokens), tensors)
+                deltas.append(d)
+                ws.append(0 if steps == 0 else tokens)
+            for j in range(len(SHAPES[f])):
+                value[f][j], mom[f][j] = reference_step(value[f][j], mom[f][j], [d[j] for d in deltas], ws)
+            versions[f] += 1
+            for isl in islands:
+                b = isl.expect(Bcast)
+                assert (b.header.fragment, b.header.version, b.header.round, b.header.cut) == (f, versions[f], step, False)
+                for (_n, t), ref in zip(b.tensors, value[f]):
+                    want = torch.from_numpy(ref).to(torch.__dict__[isl.wire_dtype])
+                    assert torch.equal(t, want), f"round {step} island {isl.island}"
+
+        for isl in islands:
+            finals = {}
+            for _ in range(P):
+                m = isl.expect(Final)
+                assert m.header.versions == tuple(versions) and m.header.n_fragments == P
+                finals[m.header.fragment] = m
+            for f in range(P):
+                for (_n, t), ref in zip(finals[f].tensors, value[f]):
+                    assert t.dtype == torch.float32 and np.array_equal(t.numpy().view(np.uint32), ref.view(np.uint32))
+            isl.send(FinalAck(island=isl.island, generation=isl.generation, versions=tuple(versions)))
+        for isl in islands:
+            assert isl.expect(Shutdown).header.reason
+        assert syncer.wait(30) == 0, syncer.log()
+
+        found = CheckpointStore(ckpt).load_latest()
+        assert found is not None
+        snap = found[1]
+        assert snap.next_round == 21 and [fs.version for fs in snap.fragments] == versions
+        for f, fs in enumerate(snap.fragments):
+            for j in range(len(SHAPES[f])):
+                assert np.array_equal(fs.values[j].numpy().view(np.uint32), value[f][j].view(np.uint32))
+                assert np.array_equal(fs.momentum[j].numpy().view(np.uint32), mom[f][j].view(np.uint32))
+        lines = [json.loads(x) for x in events.read_text().splitlines()]
+        assert [e["round"] for e in lines] == list(range(1, 21))
+        assert lines[6]["weights"]["1"] == 0 and lines[6]["pushed"] == [0, 1, 2]
+        log = syncer.log()
+        assert "UNAUTHENTICATED" in log and "status:" in log
+    finally:
+        for isl in islands:
+            isl.close()
+        syncer.stop()
+        ctx.term()
