@@ -1,0 +1,85 @@
+"""One island for test_callback_integ.py: a real megatron-core job driven like ms-swift drives it.
+
+Run as a script (its own process, so two islands and the syncer are separate processes, as in
+production). It forks ``--world`` ranks with :func:`diloco.testing.megatron_cpu.run_ranks`;
+every rank builds a real GPTModel + DDP + DistributedOptimizer with the requested TP / PP and
+runs the loop of ms-swift's ``BaseMegatronTrainer`` around :class:`YetoIslandHooks`:
+``on_train_begin``, then per step forward/backward + ``optimizer.step()``,
+``state.iteration += 1``, ``on_step_end``, ``on_log`` every ``--log-every`` steps, and
+finally ``on_train_end``. The ``YETO_*`` variables come from the environment, as in a job.
+The last stdout line is one JSON object: every rank's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks
+
+
+def _spec() -> ModelSpec:
+    # vocab 100: TP2 pads it to 256, PP2 (TP1) to 128, so canonical shapes must use the true size.
+    return ModelSpec(vocab=100, hidden=64, layers=2, heads=4, query_groups=2, ffn=128, seq=16, dtype="bf16")
+
+
+def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: int) -> dict[str, Any]:
+    from swift_plugin.island_callback import YetoIslandHooks
+
+    spec = _spec()
+    built = build_island_model(spec, tp=tp, pp=pp)
+    # What mcore-bridge's ModelConfig carries and ms-swift's trainer exposes as `trainer.config`.
+    config = built.unwrapped[0].config
+    config.padded_vocab_size = spec.vocab
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(global_batch_size=spec.micro_batch * built.dp, seq_length=spec.seq,
+                             max_length=spec.seq, train_iters=steps),
+        state=SimpleNamespace(iteration=0),
+        wrapped_models=built.model,
+        unwrapped_models=built.unwrapped,
+        optimizer=built.optimizer,
+        config=config,
+    )
+    hooks = YetoIslandHooks(trainer)
+    hooks.on_train_begin()
+    losses = []
+    while trainer.state.iteration < steps:
+        loss = built.train_step()
+        trainer.state.iteration += 1
+        hooks.on_step_end()
+        if trainer.state.iteration % log_every == 0:
+            hooks.on_log({"loss": loss, "grad_norm": 1.0, "learning_rate": 1e-3})
+        losses.append(loss)
+    hooks.on_train_end()
+    return {"rank": rank, "versions": hooks.final_versions, "digests": hooks.final_digests, "losses": losses,
+            "tokens_per_step": hooks.config.tokens_per_step if hooks.config else None,
+            "n_fragments": hooks.island.plan.n_fragments}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    # Import megatron once in the parent, so the forked ranks do not pay for it each.
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+
+    results = run_ranks(a.world, _rank_main, a.tp, a.pp, a.steps, a.log_every, timeout_s=a.timeout_s)
+    print(json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
