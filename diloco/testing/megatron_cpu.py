@@ -204,6 +204,10 @@ class ModelSpec:
     """torch seed before building; TP>1 reproduces TP=1 weights with the same seed (PP does not)."""
     micro_batch: int = 2
     """Micro-batch size used by train_step."""
+    vocab_pad_to: int = 0
+    """Pad the vocabulary to a multiple of this (divisible by TP); 0: megatron-LM's rule, 128 * TP.
+    Init draws the whole padded table from the RNG, so a TP1 reference reproduces TP2 weights bit for
+    bit only when both pad to the same size."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):
@@ -213,7 +217,9 @@ class ModelSpec:
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary size the model is built with under TP degree `tp`."""
-        step = _VOCAB_DIVISOR * tp
+        step = self.vocab_pad_to or _VOCAB_DIVISOR * tp
+        if step % tp:
+            raise ValueError(f"ModelSpec.vocab_pad_to={step} is not divisible by tp={tp}")
         return int(math.ceil(self.vocab / step) * step)
 
 

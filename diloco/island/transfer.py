@@ -1,0 +1,382 @@
+"""Export (gather) and apply (scatter) of one fragment between an island's ranks and its sync rank.
+
+The syncer speaks canonical global fp32 tensors; inside the island they are
+cut by TP / PP / EP and the distributed optimizer (see `diloco.layout.base`).
+`FragmentTransfer` precomputes, once, for every fragment, which rank sends
+which range of which shard to whom, from an all-gather of every rank's piece
+descriptions (JSON bytes, no pickle). The payload then travels point to point
+into preallocated buffers whose sizes every rank already knows, so no metadata
+travels at transfer time and nothing is ever sent to the whole world.
+
+Export: for each element the sync rank's own copy is used when it holds one,
+else the lowest rank that holds it sends it (one message per source rank).
+
+Apply, in two hops so that each element leaves the sync rank at most once:
+1. the sync rank writes the elements it holds itself and sends every other
+   element to its *primary* holder (the lowest non-sync rank that holds it);
+2. primaries forward to the other holders (replicas: TP-replicated norms, the
+   tied output copy on the last PP stage, DP replicas without a distributed
+   optimizer).
+Each holder blends its fp32 master (`alpha * master + (1 - alpha) * global`;
+exactly `global` when alpha == 0), stores the raw global as the anchor, then
+all ranks refresh the model copies (distributed optimizer: DP all-gather).
+
+Ordering hazard: every method here is collective over the island group and
+every rank must call them in the same order with the same fragment index, or
+point-to-point messages pair up wrongly and the island deadlocks (every wait
+has a timeout, so it fails instead of hanging forever).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from diloco.layout.base import (
+    LayoutAdapter,
+    ShardInfo,
+    all_gather_json,
+    place_shard,
+    shard_from_description,
+    shard_of_global,
+)
+from diloco.plan import FragmentPlan
+
+log = logging.getLogger(__name__)
+
+_TAG_EXPORT = 71
+_TAG_APPLY = 72
+_TAG_FORWARD = 73
+
+
+@dataclass(frozen=True)
+class _Seg:
+    """Elements [a, b) of the flattened valid part of shard `shard` of canonical tensor `name`."""
+
+    name: str
+    shard: ShardInfo
+    a: int
+    b: int
+
+    @property
+    def n(self) -> int:
+        return self.b - self.a
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """Where a holder rank keeps a segment: its piece index and the offset inside that piece's master."""
+
+    rank: int
+    piece: int
+    off: int
+
+
+@dataclass
+class _Route:
+    """Precomputed traffic of one fragment (identical on every rank)."""
+
+    # export: source rank -> [(segment, where the source reads it)], sync rank's own list under its key
+    export: dict[int, list[tuple[_Seg, _Hold]]] = field(default_factory=dict)
+    # apply hop 1: destination rank -> [(segment, where the destination writes it)], sync's own under its key
+    apply: dict[int, list[tuple[_Seg, _Hold]]] = field(default_factory=dict)
+    # apply hop 2: (primary, replica) -> [(offset in the primary's hop-1 buffer, n, where the replica writes)]
+    forward: dict[tuple[int, int], list[tuple[int, int, _Hold]]] = field(default_factory=dict)
+    pieces: set[tuple[int, int]] = field(default_factory=set)
+    """(rank, piece index) of every piece in the fragment."""
+
+
+def _contiguous_base(shard: ShardInfo) -> int | None:
+    """Flat offset of the shard's valid part in the canonical tensor when it is one contiguous block."""
+    if shard.partition_dim < 0:
+        return 0
+    if shard.partition_dim == 0 and shard.partition_stride == 1:
+        return shard.shard_rank * shard.local_numel
+    return None
+
+
+class FragmentTransfer:
+    """Built once per island on every rank. Collective methods: every rank calls them in the same order.
+
+    Args:
+        layout: this rank's layout adapter (its group must be `group`).
+        plan: the fragment plan (same on every rank and island).
+        group: the island's CPU (gloo) group; ranks below are group ranks.
+        sync_rank: group rank that talks to the syncer and holds global tensors.
+        timeout: bound on every point-to-point wait.
+    """
+
+    def __init__(
+        self,
+        layout: LayoutAdapter,
+        plan: FragmentPlan,
+        group: dist.ProcessGroup,
+        sync_rank: int = 0,
+        timeout: timedelta = timedelta(minutes=5),
+    ) -> None:
+        self._layout = layout
+        self._plan = plan
+        self._group = group
+        self._sync = sync_rank
+        self._me = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+        self._timeout = timeout
+        self._pieces = layout.local_pieces()
+        self._anchors: dict[int, torch.Tensor] = {}
+        self._anchored: set[int] = set()
+        self.bytes_sent = 0
+        """Network bytes this rank sent through this object, all calls."""
+        self.last_apply_network_bytes = 0
+        """Network bytes the sync rank sent in the last apply (hop 1 only; it never forwards)."""
+        specs = layout.specs()
+        if specs != plan.specs:
+            raise ValueError("FragmentTransfer: the layout's canonical table differs from the plan's")
+        descs = all_gather_json([p.describe() for p in self._pieces], group)
+        self._routes = self._build_routes(descs)
+
+    # -- routing -------------------------------------------------------------
+
+    def _build_routes(self, descs: list[list[dict]]) -> list[_Route]:
+        by_name: dict[str, dict[tuple[int, int, int], list[tuple[int, int, int, int, ShardInfo]]]] = {}
+        for rank, pieces in enumerate(descs):
+            for idx, d in enumerate(pieces):
+                shard = shard_from_description(d)
+                by_name.setdefault(d["name"], {}).setdefault(shard.key(), []).append(
+                    (rank, idx, int(d["start"]), int(d["end"]), shard)
+                )
+        unknown = set(by_name) - set(self._plan.specs)
+        if unknown:
+            raise ValueError(f"pieces of unknown canonical params: {sorted(unknown)[:5]}")
+        routes = []
+        for f in range(self._plan.n_fragments):
+            route = _Route()
+            fwd_off: dict[int, int] = {}
+            for spec in self._plan.specs_of(f):
+                shards = by_name.get(spec.name, {})
+                covered = 0
+                for key in sorted(shards):
+                    holders = shards[key]
+                    shard = holders[0][4]
+                    if any(h[4] != shard for h in holders):
+                        raise ValueError(f"{spec.name}: replicas disagree on the shard layout")
+                    valid = shard.valid_numel(spec.shape)
+                    cuts = sorted({0, valid} | {min(max(x, 0), valid) for h in holders for x in (h[2], h[3])})
+                    for a, b in zip(cuts, cuts[1:]):
+                        owners = [
+                            _Hold(rank, idx, a - s) for rank, idx, s, e, _ in holders if s <= a and b <= e
+                        ]
+                        if not owners:
+                            raise ValueError(f"{spec.name}: elements [{a},{b}) of shard {key} have no holder")
+                        covered += b - a
+                        seg = _Seg(spec.name, shard, a, b)
+                        for h in owners:
+                            route.pieces.add((h.rank, h.piece))
+                        mine = [h for h in owners if h.rank == self._sync]
+                        others = sorted((h for h in owners if h.rank != self._sync), key=lambda h: h.rank)
+                        src = mine[0] if mine else others[0]
+                        route.export.setdefault(src.rank, []).append((seg, src))
+                        for h in mine:
+                            route.apply.setdefault(self._sync, []).append((seg, h))
+                        if others:
+                            primary = others[0]
+                            route.apply.setdefault(primary.rank, []).append((seg, primary))
+                            off = fwd_off.get(primary.rank, 0)
+                            fwd_off[primary.rank] = off + seg.n
+                            for h in others[1:]:
+                                route.forward.setdefault((primary.rank, h.rank), []).append((off, seg.n, h))
+                if covered != spec.numel:
+                    raise ValueError(f"{spec.name}: the island holds {covered} of {spec.numel} elements")
+            routes.append(route)
+        return routes
+
+    # -- helpers -------------------------------------------------------------
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        for w in works:
+            # A timeout here means a peer did not reach the same call: fail loudly, never hang.
+            w.wait(self._timeout)
+
+    def _peer(self, group_rank: int) -> int:
+        return dist.get_global_rank(self._group, group_rank) if self._group is not dist.group.WORLD else group_rank
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        self.bytes_sent += t.numel() * t.element_size()
+        return dist.isend(t, dst=self._peer(dst), group=self._group, tag=tag)
+
+    def _irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return dist.irecv(t, src=self._peer(src), group=self._group, tag=tag)
+
+    def _read(self, h: _Hold, n: int, delta: bool) -> torch.Tensor:
+        master = self._pieces[h.piece].master[h.off : h.off + n]
+        if not delta:
+            return master
+        return master - self._anchors[h.piece][h.off : h.off + n]
+
+    def _write(self, h: _Hold, x: torch.Tensor, alpha: float) -> None:
+        piece = self._pieces[h.piece]
+        master = piece.master[h.off : h.off + x.numel()]
+        if alpha == 0.0:
+            master.copy_(x)
+        else:
+            master.copy_(master * alpha + x * (1.0 - alpha))
+        anchor = self._anchors.get(h.piece)
+        if anchor is None:
+            anchor = self._anchors[h.piece] = torch.zeros(piece.end - piece.start, dtype=torch.float32)
+        anchor[h.off : h.off + x.numel()].copy_(x)
+
+    # -- public API ------------------------------------------------------------
+
+    def fragment_nbytes(self, f: int) -> int:
+        """Bytes of fragment f's fp32 global tensors."""
+        return self._plan.nbytes(f)
+
+    def has_anchor(self, f: int) -> bool:
+        """Whether fragment f was applied at least once (identical on all ranks: apply is collective)."""
+        return f in self._anchored
+
+    def export_fragment(self, f: int, *, delta: bool) -> list[tuple[str, torch.Tensor]] | None:
+        """Collective: gather fragment f's global fp32 tensors (plan order) on the sync rank; None elsewhere.
+
+        delta=False gives the masters; delta=True gives master - anchor,
+        computed on the owning ranks so only deltas travel. Raises ValueError
+        on every rank alike when delta is asked before any apply of f.
+        """
+        if delta and f not in self._anchored:
+            raise ValueError(f"export_fragment({f}, delta=True) before any apply of fragment {f}: no anchor")
+        route = self._routes[f]
+        if self._me != self._sync:
+            items = route.export.get(self._me, [])
+            if items:
+                buf = torch.cat([self._read(h, seg.n, delta) for seg, h in items])
+                self._wait([self._isend(buf, self._sync, _TAG_EXPORT)])
+            return None
+        recvs: dict[int, torch.Tensor] = {}
+        works = []
+        for src, items in sorted(route.export.items()):
+            if src == self._sync:
+                continue
+            recvs[src] = torch.empty(sum(seg.n for seg, _ in items), dtype=torch.float32)
+            works.append(self._irecv(recvs[src], src, _TAG_EXPORT))
+        out = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in self._plan.specs_of(f)}
+        staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
+
+        def put(seg: _Seg, x: torch.Tensor) -> None:
+            base = _contiguous_base(seg.shard)
+            if base is not None:
+                out[seg.name].view(-1)[base + seg.a : base + seg.b].copy_(x)
+                return
+            key = (seg.name, seg.shard.key())
+            if key not in staged:
+                size = seg.shard.valid_numel(tuple(out[seg.name].shape))
+                staged[key] = (seg.shard, torch.empty(size, dtype=torch.float32))
+            staged[key][1][seg.a : seg.b].copy_(x)
+
+        # The sync rank's own pieces first: overlaps the receives still in flight.
+        for seg, h in route.export.get(self._sync, []):
+            put(seg, self._read(h, seg.n, delta))
+        self._wait(works)
+        for src, buf in recvs.items():
+            off = 0
+            for seg, _ in route.export[src]:
+                put(seg, buf[off : off + seg.n])
+                off += seg.n
+        # Strided / dim-1 shards were staged whole; place them now that every piece has arrived.
+        for (name, _), (shard, flat) in staged.items():
+            place_shard(out[name], shard, flat)
+        return [(name, out[name]) for name in self._plan.names(f)]
+
+    def apply_fragment(
+        self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, *, alpha: float = 0.0
+    ) -> int:
+        """Collective: install fragment f's global values (given on the sync rank only).
+
+        Returns the fragment bytes the sync rank handed out (each element
+        counted once, whether it went over the network to its primary holder
+        or into the sync rank's own master; `last_apply_network_bytes` has the
+        network part), 0 on other ranks.
+        """
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        route = self._routes[f]
+        handed = 0
+        recv_buf: torch.Tensor | None = None
+        works: list[dist.Work] = []
+        mine = route.apply.get(self._me, [])
+        if self._me != self._sync and mine:
+            recv_buf = torch.empty(sum(seg.n for seg, _ in mine), dtype=torch.float32)
+            works.append(self._irecv(recv_buf, self._sync, _TAG_APPLY))
+        fwd_in = {p: items for (p, q), items in route.forward.items() if q == self._me}
+        fwd_bufs = {p: torch.empty(sum(n for _, n, _ in items), dtype=torch.float32) for p, items in fwd_in.items()}
+        fwd_works = [self._irecv(buf, p, _TAG_FORWARD) for p, buf in fwd_bufs.items()]
+        if self._me == self._sync:
+            handed, works = self._scatter(f, route, values, alpha)
+        self._wait(works)
+        if recv_buf is not None:
+            off = 0
+            for seg, h in mine:
+                self._write(h, recv_buf[off : off + seg.n], alpha)
+                off += seg.n
+            sends = []
+            for (p, q), items in sorted(route.forward.items()):
+                if p != self._me:
+                    continue
+                out = torch.cat([recv_buf[o : o + n] for o, n, _ in items])
+                sends.append(self._isend(out, q, _TAG_FORWARD))
+            self._wait(sends)
+        self._wait(fwd_works)
+        for p, buf in fwd_bufs.items():
+            off = 0
+            for _, n, h in fwd_in[p]:
+                self._write(h, buf[off : off + n], alpha)
+                off += n
+        self._anchored.add(f)
+        # Every rank reaches this point only after its own receives completed;
+        # the refresh is itself a collective, so no rank reads a stale model copy.
+        self._layout.refresh_model_params()
+        return handed
+
+    def _scatter(
+        self, f: int, route: _Route, values: Sequence[tuple[str, torch.Tensor]] | None, alpha: float
+    ) -> tuple[int, list[dist.Work]]:
+        """Sync rank side of apply hop 1: validate values, send each primary its slice, write own."""
+        specs = self._plan.specs_of(f)
+        if values is None or len(values) != len(specs):
+            raise ValueError(f"apply_fragment({f}): expected {len(specs)} tensors on the sync rank")
+        table: dict[str, torch.Tensor] = {}
+        for (name, t), spec in zip(values, specs):
+            if name != spec.name or tuple(t.shape) != spec.shape or t.dtype != torch.float32:
+                raise ValueError(
+                    f"apply_fragment({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape} float32"
+                )
+            table[name] = t.contiguous()
+        cache: dict[tuple[str, tuple[int, int, int]], torch.Tensor] = {}
+
+        def flat(seg: _Seg) -> torch.Tensor:
+            key = (seg.name, seg.shard.key())
+            if key not in cache:
+                cache[key] = shard_of_global(table[seg.name], seg.shard)
+            return cache[key][seg.a : seg.b]
+
+        works = []
+        network = 0
+        for dst, items in sorted(route.apply.items()):
+            if dst == self._sync:
+                continue
+            buf = torch.cat([flat(seg) for seg, _ in items])
+            network += buf.numel() * 4
+            works.append(self._isend(buf, dst, _TAG_APPLY))
+        own = 0
+        primaries = {
+            (seg.name, seg.shard.key(), seg.a) for d, items in route.apply.items() if d != self._sync for seg, _ in items
+        }
+        for seg, h in route.apply.get(self._sync, []):
+            self._write(h, flat(seg), alpha)
+            if (seg.name, seg.shard.key(), seg.a) not in primaries:
+                own += seg.n * 4
+        self.last_apply_network_bytes = network
+        return network + own, works
