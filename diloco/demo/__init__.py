@@ -1,0 +1,1 @@
+"""yeto-demo: a local syncer plus islands training a small GPT on CPU."""

@@ -1,0 +1,230 @@
+"""One demo island: a real multi-process megatron-core GPT on CPU, trained on the shipped corpus.
+
+``python -m diloco.demo.island --island-id 0 --layout tp2 --sync-addr tcp://... --out DIR``
+forks the island's ranks (gloo), builds GPTModel + DDP + DistributedOptimizer with the
+layout asked for, and trains a character-level language model. With ``--sync-addr`` it is a
+DiLoCo island (``diloco.island.Island`` at the step boundary, exactly as the ms-swift
+plugin drives it); without, it is the "alone" baseline: the same model and data stream
+with no sync. At the end, rank 0 writes ``DIR/<name>.json``: train and held-out loss, the
+final versions, and a digest of the global fp32 parameters (equal across islands after the
+final cut). Progress goes to ``DIR/<name>.progress.jsonl`` (one line per step) so the demo
+driver can show it live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from diloco.corpus import load_corpus
+from diloco.testing.megatron_cpu import BuiltModel, ModelSpec, build_island_model, run_ranks
+
+log = logging.getLogger(__name__)
+
+EVAL_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class IslandRun:
+    """Everything one demo island needs (JSON-able: it crosses the fork)."""
+
+    name: str
+    island_id: int
+    layout: str
+    steps: int
+    fragments: int
+    sync_addr: str | None
+    out_dir: str
+    hidden: int = 64
+    layers: int = 4
+    seq: int = 64
+    micro_batch: int = 8
+    lr: float = 3e-3
+    seed: int = 1234
+    data_seed: int = 0
+    initial_cut_timeout_s: float = 120.0
+
+
+def parse_layout(layout: str) -> tuple[int, int, int]:
+    """``tp2`` / ``pp2`` / ``tp2dp2`` / ``dp2`` / ``tp1`` → (tp, pp, dp)."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    rest = layout.strip().lower()
+    if not rest:
+        raise ValueError("empty layout")
+    while rest:
+        for key in sizes:
+            if rest.startswith(key):
+                digits = ""
+                rest = rest[len(key):]
+                while rest and rest[0].isdigit():
+                    digits, rest = digits + rest[0], rest[1:]
+                if not digits or int(digits) < 1:
+                    raise ValueError(f"layout {layout!r}: {key} needs a positive size")
+                sizes[key] = int(digits)
+                break
+        else:
+            raise ValueError(f"layout {layout!r}: expected parts like tp2, pp2, dp2")
+    return sizes["tp"], sizes["pp"], sizes["dp"]
+
+
+class CharData:
+    """Character-level tokens of the shipped corpus: a training stream and a held-out tail."""
+
+    def __init__(self) -> None:
+        text = load_corpus()
+        chars = sorted(set(text))
+        self.vocab = len(chars)
+        table = {c: i for i, c in enumerate(chars)}
+        ids = torch.tensor([table[c] for c in text], dtype=torch.int64)
+        cut = int(len(ids) * 0.95)
+        self.train, self.held_out = ids[:cut], ids[cut:]
+
+    def batch(self, n: int, seq: int, seed: int, held_out: bool = False) -> dict[str, torch.Tensor]:
+        src = self.held_out if held_out else self.train
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(src) - seq - 1, (n,), generator=g)
+        rows = torch.stack([src[s:s + seq + 1] for s in starts.tolist()])
+        return {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+
+def _eval_loss(built: BuiltModel, data: CharData, run: IslandRun) -> float:
+    """Mean held-out loss over fixed batches (forward only; collective like a train step)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mb, seq = run.micro_batch, run.seq
+    position_ids = torch.arange(seq).unsqueeze(0).expand(mb, seq)
+    total = 0.0
+    for i in range(EVAL_BATCHES):
+        batch = data.batch(mb, seq, seed=10_000 + i, held_out=True)
+
+        def forward_step(it: Any, model: torch.nn.Module, batch: dict = batch) -> tuple:
+            next(it, None)
+            out = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+            return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]),
+                                             model=built.model, num_microbatches=1, seq_length=seq,
+                                             micro_batch_size=mb, forward_only=True)
+        value = float(losses[0]["loss"]) if ps.is_pipeline_last_stage() and losses else 0.0
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+        total += float(t)
+    return total / EVAL_BATCHES
+
+
+def _digest(island: Any) -> str | None:
+    """sha256 over every fragment's global fp32 value (names, shapes, bytes), on the sync rank."""
+    h = hashlib.sha256()
+    for f in range(island.plan.n_fragments):
+        values = island.transfer.export_fragment(f, delta=False)
+        if values is not None:
+            for name, t in values:
+                h.update(name.encode())
+                h.update(str(tuple(t.shape)).encode())
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest() if island.is_sync else None
+
+
+def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
+    run = IslandRun(**run_dict)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {run.name} r{rank} %(levelname)s %(message)s")
+    for name in ("megatron", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    tp, pp, _ = parse_layout(run.layout)
+    data = CharData()
+    spec = ModelSpec(vocab=data.vocab, hidden=run.hidden, layers=run.layers, heads=4, query_groups=2,
+                     ffn=2 * run.hidden, seq=run.seq, micro_batch=run.micro_batch, dtype="bf16", seed=run.seed)
+    built = build_island_model(spec, tp=tp, pp=pp, lr=run.lr)
+    from megatron.core import parallel_state as ps
+
+    dp_rank = ps.get_data_parallel_rank()
+    island = None
+    if run.sync_addr:
+        from diloco.config import IslandConfig
+        from diloco.island.boundary import Island
+
+        cfg = IslandConfig(sync_addr=run.sync_addr, island_id=run.island_id, fragments=run.fragments,
+                           initial_cut_timeout_s=run.initial_cut_timeout_s,
+                           step_log=os.path.join(run.out_dir, f"{run.name}.steplog.jsonl"),
+                           key=os.environ.get("YETO_SYNC_KEY", "").encode())
+        tokens = run.micro_batch * run.seq * ps.get_data_parallel_world_size()
+        island = Island(cfg, built.layout(), tokens_per_step=tokens)
+        island.start()
+    progress = open(os.path.join(run.out_dir, f"{run.name}.progress.jsonl"), "w") if rank == 0 else None
+    first_loss = last_loss = math.nan
+    t0 = time.time()
+    for step in range(1, run.steps + 1):
+        seed = run.data_seed * 1_000_003 + step * 101 + dp_rank
+        loss = built.train_step(data.batch(run.micro_batch, run.seq, seed=seed))
+        if step == 1:
+            first_loss = loss
+        last_loss = loss
+        if island is not None:
+            island.step_end(step, loss)
+        if progress is not None:
+            progress.write(json.dumps({"step": step, "loss": loss, "time": time.time() - t0}) + "\n")
+            progress.flush()
+    versions = island.finish() if island is not None else []
+    eval_loss = _eval_loss(built, data, run)
+    digest = _digest(island) if island is not None else None
+    if rank != 0:
+        return None
+    assert progress is not None
+    progress.close()
+    return {"name": run.name, "layout": run.layout, "first_loss": first_loss, "train_loss": last_loss,
+            "eval_loss": eval_loss, "versions": versions, "digest": digest, "wall_s": time.time() - t0,
+            "steps": run.steps}
+
+
+def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
+    """Fork the island's ranks, train, and return rank 0's result (also written to DIR/<name>.json)."""
+    tp, pp, dp = parse_layout(run.layout)
+    results = run_ranks(tp * pp * dp, _rank_main, asdict(run), timeout_s=timeout_s)
+    result = results[0]
+    with open(os.path.join(run.out_dir, f"{run.name}.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", required=True)
+    p.add_argument("--island-id", type=int, default=0)
+    p.add_argument("--layout", default="tp2")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--sync-addr", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    a = p.parse_args(argv)
+    run = IslandRun(name=a.name, island_id=a.island_id, layout=a.layout, steps=a.steps, fragments=a.fragments,
+                    sync_addr=a.sync_addr, out_dir=a.out, hidden=a.hidden, layers=a.layers, seq=a.seq,
+                    micro_batch=a.micro_batch, lr=a.lr, data_seed=a.data_seed)
+    os.makedirs(a.out, exist_ok=True)
+    try:
+        run_island(run, timeout_s=a.timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"{a.name}: failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
