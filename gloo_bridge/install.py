@@ -365,10 +365,10 @@ def is_bridged(group: Any = None) -> bool:
 
 
 def bridge_stats() -> dict[str, int]:
-    """Staging cache counters (allocations, cached bytes) for tests and benchmarks."""
+    """Staging cache counters (allocations, cached bytes, pinned 0/1) for tests and benchmarks."""
     bridge = _BRIDGE
     if bridge is None:
-        return {"allocations": 0, "cached_bytes": 0, "bridged_groups": 0}
+        return {"allocations": 0, "cached_bytes": 0, "bridged_groups": 0, "pinned": 0}
     cache = bridge.ops.cache
     return {"allocations": cache.allocations, "cached_bytes": cache.cached_bytes,
-            "bridged_groups": len(bridge.groups)}
+            "bridged_groups": len(bridge.groups), "pinned": int(cache.pinned)}
