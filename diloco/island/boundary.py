@@ -60,12 +60,13 @@ class _Counters:
 
 
 class Island:
-    """DiLoCo for one island; build on every rank (collective: it may create a group).
+    """DiLoCo for one island; build on every rank (collective).
 
     Args:
         config: the island configuration (``IslandConfig.from_env()``).
         layout: how this rank's parameters map onto canonical global tensors.
-        group: a CPU (gloo) group over every rank of the island; created when None.
+        group: a CPU (gloo) group over every rank of the island; the layout's group when None
+            (the adapter's collectives and ours must run on one group, in one order).
         tokens_per_step: tokens one optimizer step consumes (weights pushes); falls back to
             ``config.tokens_per_step``, then to 1 (pushes weigh by steps).
     """
@@ -73,10 +74,10 @@ class Island:
     def __init__(self, config: IslandConfig, layout: LayoutAdapter, *, group: dist.ProcessGroup | None = None,
                  tokens_per_step: int | None = None) -> None:
         self.cfg = config
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.group = group if group is not None else layout.group
         self.rank = dist.get_rank(self.group)
         self.is_sync = self.rank == config.sync_rank
-        self.plan: FragmentPlan = make_plan(layout.canonical_specs(), config.fragments)
+        self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments)
         self.fingerprint = layout_fingerprint(self.plan)
         self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
