@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import hmac
 import math
-from typing import NamedTuple, Sequence
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 import msgspec
+import numpy as np
 import torch
 import xxhash
 import zmq
@@ -133,12 +137,18 @@ def encode(
             raise ValueError(f"encode: tensor {name!r} has dtype {t.dtype}; pass wire_dtype or use float32/bfloat16")
         t = t.cpu().contiguous()
         data = _wire_bytes(t)
-        digests: list[int] = []
-        for offset in range(0, data.nbytes, chunk_bytes):
-            chunk = data[offset : offset + chunk_bytes]
-            digests.append(xxhash.xxh3_64_intdigest(chunk))
-            chunk_frames.append(chunk)
-        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=tuple(digests)))
+        chunks = [data[offset : offset + chunk_bytes] for offset in range(0, data.nbytes, chunk_bytes)]
+        chunk_frames.extend(chunks)
+        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=(len(chunks),)))
+
+    # Digest every chunk of the message at once, in parallel when it is large
+    # (xxhash releases the GIL); then put each tensor's digests into its meta.
+    all_digests = _map_chunks(xxhash.xxh3_64_intdigest, chunk_frames)
+    start = 0
+    for i, meta in enumerate(metas):
+        count = meta.chunks[0]
+        metas[i] = TensorMeta(meta.name, meta.dtype, meta.shape, tuple(all_digests[start : start + count]))
+        start += count
 
     body = ENVELOPE_ENCODER.encode(
         Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=chunk_bytes, tensors=tuple(metas))
@@ -295,22 +305,74 @@ def decode(
 
     receive_pool = default_receive_pool() if pool is None else pool
     out: list[tuple[str, torch.Tensor]] = []
+    jobs: list[tuple[memoryview, int, np.ndarray]] = []  # (chunk, digest, destination slice)
+    where: list[tuple[int, str]] = []  # (chunk index within its tensor, tensor name) for reasons
     j = 0
     for p in planned:
         tensor = receive_pool.empty(p.meta.shape, WIRE_DTYPES[p.meta.dtype])
-        dest = _wire_bytes(tensor)
+        dest = tensor.reshape(-1).view(torch.uint8).numpy()
         offset = 0
         for c, digest in enumerate(p.meta.chunks):
             chunk = chunks[j]
             j += 1
-            # Hash first, then copy: the chunk is then still in cache for the copy,
-            # and a forged chunk is never written anywhere.
-            if xxhash.xxh3_64_intdigest(chunk) != digest:
-                raise WireError(f"chunk {c} of {p.meta.name[:80]!r} fails its digest (corrupted or tampered)")
-            dest[offset : offset + chunk.nbytes] = chunk
+            jobs.append((chunk, digest, dest[offset : offset + chunk.nbytes]))
+            where.append((c, p.meta.name))
             offset += chunk.nbytes
         out.append((p.meta.name, tensor))
+    # Every job runs to completion before we report the first bad chunk, so no
+    # worker is still writing into a tensor the caller might see.
+    verdicts = _map_chunks(_check_and_copy, jobs)
+    for ok, (c, name) in zip(verdicts, where):
+        if not ok:
+            raise WireError(f"chunk {c} of {name[:80]!r} fails its digest (corrupted or tampered)")
     return Message(header=env.header, tensors=out)
+
+
+def _check_and_copy(job: tuple[memoryview, int, np.ndarray]) -> bool:
+    """Digest one received chunk and, if it matches, copy it into its tensor (the one copy).
+
+    Hash first, then copy: the chunk is still in cache for the copy, and a
+    forged chunk is never written anywhere.  Both calls release the GIL.
+    """
+    chunk, digest, dest = job
+    if xxhash.xxh3_64_intdigest(chunk) != digest:
+        return False
+    np.copyto(dest, np.frombuffer(chunk, dtype=np.uint8))
+    return True
+
+
+# --------------------------------------------------------------------------- chunk workers
+
+CHUNK_THREADS: int = max(1, min(4, os.cpu_count() or 1))
+"""Threads that digest (and on receive, copy) the chunks of one large message.
+
+xxhash and numpy's copy release the GIL, so a 256 MiB fragment is hashed and
+copied ~3x faster with 4 threads on a host with spare cores; 1 disables it."""
+
+_PARALLEL_MIN_CHUNKS = 4  # below this, handing work to threads costs more than it saves
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+def _map_chunks(fn: Callable[[_In], _Out], items: list[_In]) -> list[_Out]:
+    """``[fn(x) for x in items]``, on the chunk threads when the message is large.
+
+    The executor is shared by every socket thread of the process; ``map``
+    waits for all items, so callers see complete results (or the first
+    exception, after the others finished).
+    """
+    global _executor
+    if CHUNK_THREADS <= 1 or len(items) < _PARALLEL_MIN_CHUNKS:
+        return [fn(x) for x in items]
+    if _executor is None:
+        with _executor_lock:
+            if _executor is None:
+                _executor = ThreadPoolExecutor(max_workers=CHUNK_THREADS, thread_name_prefix="wire-chunks")
+    return list(_executor.map(fn, items))
 
 
 def payload_bytes(msg: Message) -> int:
