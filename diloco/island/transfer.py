@@ -85,8 +85,8 @@ class _Route:
     export: dict[int, list[tuple[_Seg, _Hold]]] = field(default_factory=dict)
     # apply hop 1: destination rank -> [(segment, where the destination writes it)], sync's own under its key
     apply: dict[int, list[tuple[_Seg, _Hold]]] = field(default_factory=dict)
-    # apply hop 2: (primary, replica) -> [(offset in the primary's hop-1 buffer, n, where the replica writes)]
-    forward: dict[tuple[int, int], list[tuple[int, int, _Hold]]] = field(default_factory=dict)
+    # apply hop 2: (primary, replica) -> [(where the primary holds it, n, where the replica writes it)]
+    forward: dict[tuple[int, int], list[tuple[_Hold, int, _Hold]]] = field(default_factory=dict)
     pieces: set[tuple[int, int]] = field(default_factory=set)
     """(rank, piece index) of every piece in the fragment."""
 
@@ -155,7 +155,6 @@ class FragmentTransfer:
         routes = []
         for f in range(self._plan.n_fragments):
             route = _Route()
-            fwd_off: dict[int, int] = {}
             for spec in self._plan.specs_of(f):
                 shards = by_name.get(spec.name, {})
                 covered = 0
@@ -185,10 +184,8 @@ class FragmentTransfer:
                         if others:
                             primary = others[0]
                             route.apply.setdefault(primary.rank, []).append((seg, primary))
-                            off = fwd_off.get(primary.rank, 0)
-                            fwd_off[primary.rank] = off + seg.n
                             for h in others[1:]:
-                                route.forward.setdefault((primary.rank, h.rank), []).append((off, seg.n, h))
+                                route.forward.setdefault((primary.rank, h.rank), []).append((primary, seg.n, h))
                 if covered != spec.numel:
                     raise ValueError(f"{spec.name}: the island holds {covered} of {spec.numel} elements")
             routes.append(route)
@@ -215,19 +212,25 @@ class FragmentTransfer:
         master = self._pieces[h.piece].master[h.off : h.off + n]
         if not delta:
             return master
-        return master - self._anchors[h.piece][h.off : h.off + n]
+        anchor = self._anchors[h.piece][h.off : h.off + n]
+        return master.to(anchor.device) - anchor  # anchors live on the host; masters may be on a GPU
 
-    def _write(self, h: _Hold, x: torch.Tensor, alpha: float) -> None:
-        piece = self._pieces[h.piece]
-        master = piece.master[h.off : h.off + x.numel()]
-        if alpha == 0.0:
-            master.copy_(x)
-        else:
-            master.copy_(master * alpha + x * (1.0 - alpha))
+    def _anchor(self, h: _Hold, n: int) -> torch.Tensor:
+        """The anchor slice of a held segment; apply receives the raw global straight into it."""
         anchor = self._anchors.get(h.piece)
         if anchor is None:
+            piece = self._pieces[h.piece]
             anchor = self._anchors[h.piece] = torch.zeros(piece.end - piece.start, dtype=torch.float32)
-        anchor[h.off : h.off + x.numel()].copy_(x)
+        return anchor[h.off : h.off + n]
+
+    def _install(self, h: _Hold, n: int, alpha: float) -> None:
+        """master <- alpha * master + (1 - alpha) * anchor (exactly the anchor when alpha == 0)."""
+        master = self._pieces[h.piece].master[h.off : h.off + n]
+        anchor = self._anchor(h, n)
+        if alpha == 0.0:
+            master.copy_(anchor)
+        else:
+            master.copy_(master * alpha + anchor * (1.0 - alpha))
 
     # -- public API ------------------------------------------------------------
 
@@ -250,48 +253,47 @@ class FragmentTransfer:
             raise ValueError(f"export_fragment({f}, delta=True) before any apply of fragment {f}: no anchor")
         route = self._routes[f]
         if self._me != self._sync:
-            items = route.export.get(self._me, [])
-            if items:
-                buf = torch.cat([self._read(h, seg.n, delta) for seg, h in items])
-                self._wait([self._isend(buf, self._sync, _TAG_EXPORT)])
+            # One message per segment, sent straight from the master (no packing copy when delta=False).
+            keep = [self._read(h, seg.n, delta) for seg, h in route.export.get(self._me, [])]
+            self._wait([self._isend(x, self._sync, _TAG_EXPORT) for x in keep])
             return None
-        recvs: dict[int, torch.Tensor] = {}
-        works = []
-        for src, items in sorted(route.export.items()):
-            if src == self._sync:
-                continue
-            recvs[src] = torch.empty(sum(seg.n for seg, _ in items), dtype=torch.float32)
-            works.append(self._irecv(recvs[src], src, _TAG_EXPORT))
         out = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in self._plan.specs_of(f)}
         staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
 
-        def put(seg: _Seg, x: torch.Tensor) -> None:
+        def dest(seg: _Seg) -> torch.Tensor:
+            """Where a segment lands: directly in the global tensor when the shard is one contiguous block."""
             base = _contiguous_base(seg.shard)
             if base is not None:
-                out[seg.name].view(-1)[base + seg.a : base + seg.b].copy_(x)
-                return
+                return out[seg.name].view(-1)[base + seg.a : base + seg.b]
             key = (seg.name, seg.shard.key())
             if key not in staged:
                 size = seg.shard.valid_numel(tuple(out[seg.name].shape))
                 staged[key] = (seg.shard, torch.empty(size, dtype=torch.float32))
-            staged[key][1][seg.a : seg.b].copy_(x)
+            return staged[key][1][seg.a : seg.b]
 
-        # The sync rank's own pieces first: overlaps the receives still in flight.
+        # Post every receive first (into its final place), then copy the sync rank's own pieces
+        # while the receives are in flight.
+        works = [
+            self._irecv(dest(seg), src, _TAG_EXPORT)
+            for src, items in sorted(route.export.items())
+            if src != self._sync
+            for seg, _ in items
+        ]
         for seg, h in route.export.get(self._sync, []):
-            put(seg, self._read(h, seg.n, delta))
+            dest(seg).copy_(self._read(h, seg.n, delta))
         self._wait(works)
-        for src, buf in recvs.items():
-            off = 0
-            for seg, _ in route.export[src]:
-                put(seg, buf[off : off + seg.n])
-                off += seg.n
         # Strided / dim-1 shards were staged whole; place them now that every piece has arrived.
         for (name, _), (shard, flat) in staged.items():
             place_shard(out[name], shard, flat)
         return [(name, out[name]) for name in self._plan.names(f)]
 
     def apply_fragment(
-        self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, *, alpha: float = 0.0
+        self,
+        f: int,
+        values: Sequence[tuple[str, torch.Tensor]] | None,
+        *,
+        alpha: float = 0.0,
+        refresh: bool = True,
     ) -> int:
         """Collective: install fragment f's global values (given on the sync rank only).
 
@@ -299,45 +301,44 @@ class FragmentTransfer:
         counted once, whether it went over the network to its primary holder
         or into the sync rank's own master; `last_apply_network_bytes` has the
         network part), 0 on other ranks.
+
+        refresh=False skips `layout.refresh_model_params()` (the model copy is
+        then stale until the caller refreshes, collectively, e.g. once after
+        several applies); every rank must pass the same value.
         """
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         route = self._routes[f]
         handed = 0
-        recv_buf: torch.Tensor | None = None
-        works: list[dist.Work] = []
-        mine = route.apply.get(self._me, [])
-        if self._me != self._sync and mine:
-            recv_buf = torch.empty(sum(seg.n for seg, _ in mine), dtype=torch.float32)
-            works.append(self._irecv(recv_buf, self._sync, _TAG_APPLY))
-        fwd_in = {p: items for (p, q), items in route.forward.items() if q == self._me}
-        fwd_bufs = {p: torch.empty(sum(n for _, n, _ in items), dtype=torch.float32) for p, items in fwd_in.items()}
-        fwd_works = [self._irecv(buf, p, _TAG_FORWARD) for p, buf in fwd_bufs.items()]
+        # Receives land straight in the anchor slices (the anchor IS the raw global), then
+        # the master is installed from there: no staging buffers, one copy per element.
+        mine = route.apply.get(self._me, []) if self._me != self._sync else []
+        works = [self._irecv(self._anchor(h, seg.n), self._sync, _TAG_APPLY) for seg, h in mine]
+        fwd_in = [
+            (p, n, h) for (p, q), items in sorted(route.forward.items()) if q == self._me for _, n, h in items
+        ]
+        fwd_works = [self._irecv(self._anchor(h, n), p, _TAG_FORWARD) for p, n, h in fwd_in]
         if self._me == self._sync:
             handed, works = self._scatter(f, route, values, alpha)
         self._wait(works)
-        if recv_buf is not None:
-            off = 0
-            for seg, h in mine:
-                self._write(h, recv_buf[off : off + seg.n], alpha)
-                off += seg.n
-            sends = []
-            for (p, q), items in sorted(route.forward.items()):
-                if p != self._me:
-                    continue
-                out = torch.cat([recv_buf[o : o + n] for o, n, _ in items])
-                sends.append(self._isend(out, q, _TAG_FORWARD))
-            self._wait(sends)
+        # Hop 2 only after hop 1 landed: a primary forwards what it has just received.
+        sends = [
+            self._isend(self._anchor(hp, n), q, _TAG_FORWARD)
+            for (p, q), items in sorted(route.forward.items())
+            if p == self._me
+            for hp, n, _ in items
+        ]
+        for seg, h in mine:
+            self._install(h, seg.n, alpha)
+        self._wait(sends)
         self._wait(fwd_works)
-        for p, buf in fwd_bufs.items():
-            off = 0
-            for _, n, h in fwd_in[p]:
-                self._write(h, buf[off : off + n], alpha)
-                off += n
+        for _, n, h in fwd_in:
+            self._install(h, n, alpha)
         self._anchored.add(f)
         # Every rank reaches this point only after its own receives completed;
         # the refresh is itself a collective, so no rank reads a stale model copy.
-        self._layout.refresh_model_params()
+        if refresh:
+            self._layout.refresh_model_params()
         return handed
 
     def _scatter(
@@ -367,15 +368,16 @@ class FragmentTransfer:
         for dst, items in sorted(route.apply.items()):
             if dst == self._sync:
                 continue
-            buf = torch.cat([flat(seg) for seg, _ in items])
-            network += buf.numel() * 4
-            works.append(self._isend(buf, dst, _TAG_APPLY))
+            for seg, _ in items:
+                network += seg.n * 4
+                works.append(self._isend(flat(seg), dst, _TAG_APPLY))
         own = 0
         primaries = {
             (seg.name, seg.shard.key(), seg.a) for d, items in route.apply.items() if d != self._sync for seg, _ in items
         }
         for seg, h in route.apply.get(self._sync, []):
-            self._write(h, flat(seg), alpha)
+            self._anchor(h, seg.n).copy_(flat(seg))
+            self._install(h, seg.n, alpha)
             if (seg.name, seg.shard.key(), seg.a) not in primaries:
                 own += seg.n * 4
         self.last_apply_network_bytes = network

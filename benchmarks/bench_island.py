@@ -1,0 +1,144 @@
+"""Benchmarks of the island data path (export / apply), each against a baseline measured in the same run.
+
+World 4 (TP2 x DP2, DistributedOptimizer, bf16) real megatron-core GPTModel on CPU/gloo, forked ranks.
+
+(a) ``apply_bytes_per_fragment_byte``: fragment bytes the sync rank hands out
+    per applied fragment byte (each element leaves it once: target 1.0), and
+    ``apply_network_bytes_per_fragment_byte`` (the part that went over the
+    network; the rest the sync rank owns itself). ``apply_vs_world_broadcast``:
+    our apply (data path, no model refresh) time / a world broadcast of the
+    whole fragment's bytes (target <= 0.5); ``apply_with_refresh_s`` also
+    includes the DP all-gather that refreshes the bf16 model copy.
+(b) ``export_vs_gloo_p2p`` / ``apply_vs_gloo_p2p``: our throughput / raw gloo
+    isend-irecv throughput of the very same per-peer byte counts into
+    preallocated buffers (no packing, no assembly); target >= 0.8.
+
+Usage::
+
+    python benchmarks/bench_island.py [--hidden 1024] [--layers 4] [--repeat 5]
+
+Human-readable lines first; the last line printed is one JSON object with the
+figures (the lead adds (c) INIT overlap and (d) idle boundary as more
+functions collected by ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+warnings.filterwarnings("ignore")
+from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks  # noqa: E402
+
+log = logging.getLogger("bench_island")
+
+
+def _timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Median wall time of `fn` over `repeat` runs, each started together on every rank."""
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _raw_p2p(counts: dict[int, int], to_sync: bool, repeat: int) -> float:
+    """Raw gloo p2p of the same per-peer element counts between rank 0 and each peer."""
+    me = dist.get_rank()
+    bufs = {peer: torch.ones(n, dtype=torch.float32) for peer, n in counts.items()}
+
+    def run() -> None:
+        works = []
+        if me == 0:
+            for peer, buf in sorted(bufs.items()):
+                works.append(dist.irecv(buf, src=peer) if to_sync else dist.isend(buf, dst=peer))
+        elif me in bufs:
+            works.append(dist.isend(bufs[me], dst=0) if to_sync else dist.irecv(bufs[me], src=0))
+        for w in works:
+            w.wait()
+
+    return _timed(run, repeat)
+
+
+def bench_export_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: int) -> dict[str, float]:
+    """Parts (a) and (b); runs on every rank, rank 0's dict is the result."""
+    from diloco.island.transfer import FragmentTransfer
+    from diloco.plan import make_plan
+
+    spec = ModelSpec(**spec_kw)
+    built = build_island_model(spec, tp=2, pp=1)
+    layout = built.layout()
+    plan = make_plan(layout.specs(), spec.layers)
+    xfer = FragmentTransfer(layout, plan, dist.group.WORLD)
+    f = 0
+    nbytes = plan.nbytes(f)
+    route = xfer._routes[f]
+    export_counts = {src: sum(s.n for s, _ in items) for src, items in route.export.items() if src != 0}
+    apply_counts = {dst: sum(s.n for s, _ in items) for dst, items in route.apply.items() if dst != 0}
+    values = xfer.export_fragment(f, delta=False)
+
+    t_export = _timed(lambda: xfer.export_fragment(f, delta=False), repeat)
+    t_raw_export = _raw_p2p(export_counts, True, repeat)
+    sent = [0]
+
+    def apply(refresh: bool) -> None:
+        sent[0] = xfer.apply_fragment(f, values if rank == 0 else None, refresh=refresh)
+
+    t_apply = _timed(lambda: apply(False), repeat)
+    network = xfer.last_apply_network_bytes
+    t_apply_refresh = _timed(lambda: apply(True), repeat)
+    t_raw_apply = _raw_p2p(apply_counts, False, repeat)
+    flat = torch.zeros(nbytes // 4, dtype=torch.float32)
+    t_bcast = _timed(lambda: dist.broadcast(flat, src=0), repeat)
+    return {
+        "fragment_mb": nbytes / 1e6,
+        "apply_bytes_per_fragment_byte": sent[0] / nbytes,
+        "apply_network_bytes_per_fragment_byte": network / nbytes,
+        "apply_s": t_apply,
+        "apply_with_refresh_s": t_apply_refresh,
+        "world_broadcast_s": t_bcast,
+        "apply_vs_world_broadcast": t_apply / t_bcast,
+        "export_s": t_export,
+        "export_gbps": nbytes / t_export / 1e9,
+        "apply_gbps": nbytes / t_apply / 1e9,
+        "export_vs_gloo_p2p": t_raw_export / t_export,
+        "apply_vs_gloo_p2p": t_raw_apply / t_apply,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    spec = ModelSpec(
+        vocab=32000, hidden=args.hidden, layers=args.layers, heads=16, query_groups=4,
+        ffn=4 * args.hidden, seq=16,
+    )
+    figures: dict[str, float] = {}
+    ab = run_ranks(4, bench_export_apply, spec.__dict__, args.repeat, timeout_s=590)[0]
+    for k, v in ab.items():
+        print(f"{k:40s} {v:.4g}")
+    figures.update(ab)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
