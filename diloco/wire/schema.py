@@ -54,9 +54,11 @@ class Limits:
     elements) without touching memory.  Sizes are in bytes unless noted.
     """
 
-    max_header_bytes: int = 64 << 10
-    """Length of frame 1 (the msgpack header)."""
-    max_tensors: int = 4096
+    max_header_bytes: int = 2 << 20
+    """Length of frame 1 (the msgpack header). A tensor costs ~70 bytes of header plus
+    9 bytes per 4 MiB chunk; 2 MiB admits the 16k-tensor fragments of large MoE models
+    (hundreds of experts x layers) while staying trivially cheap to refuse."""
+    max_tensors: int = 16384
     """Number of tensors in one message."""
     max_tensor_bytes: int = 8 << 30
     """Bytes of one tensor (numel * itemsize)."""
