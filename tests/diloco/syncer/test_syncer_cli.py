@@ -1,0 +1,35 @@
+"""yeto-syncer flag validation: a bad value exits 2 with a message naming the flag."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from diloco.syncer.cli import EXIT_CONFIG, main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--islands", "0"], "--islands"),
+        (["--islands", "2", "--quorum", "3"], "--quorum"),
+        (["--islands", "2", "--sync-every", "0"], "--sync-every"),
+        (["--islands", "2", "--outer-lr", "nan"], "--outer-lr"),
+        (["--islands", "2", "--grace-ms", "-1"], "--grace-ms"),
+        (["--islands", "2", "--resume"], "--resume"),
+        (["--islands", "2", "--key-file", "/nonexistent/key"], "--key-file"),
+    ],
+)
+def test_bad_flag_exits_2_naming_it(argv: list[str], flag: str, caplog) -> None:
+    with caplog.at_level(logging.ERROR):
+        assert main(["--bind", "tcp://127.0.0.1:*", *argv]) == EXIT_CONFIG
+    assert flag in caplog.text
+
+
+def test_resume_without_checkpoint_fails(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.ERROR):
+        assert main(["--islands", "1", "--resume", "--checkpoint-dir", str(tmp_path)]) == EXIT_CONFIG
+    assert "no complete checkpoint" in caplog.text
