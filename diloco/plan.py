@@ -11,8 +11,9 @@ The cut (documented choice):
   to fragment i mod P, as in Streaming DiLoCo, so each fragment spans the
   depth of the network and fragments are of similar size.
 - Every other parameter (embedding, final norm, output layer, or all params
-  of a module without layers) is then placed, largest first, on the fragment
-  with the fewest bytes so far (ties: lowest index): greedy balancing by bytes.
+  of a module without layers) is then placed, largest first, on an empty
+  fragment if any, else the one with the fewest bytes so far (ties: lowest
+  index): greedy balancing by bytes.
 - Within a fragment, names keep the natural canonical order (layer 10 after 9),
   which is the order tensors travel in.
 Every fragment must end up non-empty; asking for more fragments than that
