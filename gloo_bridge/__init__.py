@@ -12,7 +12,7 @@ Public API: ``install``, ``uninstall``, ``is_bridged``, ``is_installed``,
 """
 
 from gloo_bridge import device
-from gloo_bridge.install import BridgeConfig, bridge_stats, install, is_bridged, is_installed, uninstall
+from gloo_bridge.patching import BridgeConfig, bridge_stats, install, is_bridged, is_installed, uninstall
 from gloo_bridge.ops import UnsupportedBridgedOp
 
 __all__ = [

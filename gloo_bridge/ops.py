@@ -5,7 +5,7 @@ memory and the operations gloo lacks must be emulated, while callers keep
 calling plain ``torch.distributed`` functions. Each function here receives the
 caller's arguments already bound to torch's own signature (``args``: name ->
 value, defaults applied) and the gloo group to run on, and calls torch's
-original function with host tensors. ``install.py`` decides *whether* a call
+original function with host tensors. ``patching.py`` decides *whether* a call
 is bridged; this module only knows *how*.
 
 Emulations (chosen to work on every torch >= 2.4 gloo, whatever its version):

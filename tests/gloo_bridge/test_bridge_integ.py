@@ -65,8 +65,7 @@ def _body(rank: int, port: int, stage: bool) -> list[str]:
     gloo_bridge.uninstall()
     if mappings.dist_all_gather_func is not orig_ag or pgb._coalescing_manager is not orig_cm:
         errors.append("uninstall did not restore megatron's references")
-    if dist.all_reduce is not dist.distributed_c10d.all_reduce or hasattr(dist.all_reduce, "__wrapped__") and \
-            dist.all_reduce.__name__ == "all_reduce" and "gloo_bridge" in (dist.all_reduce.__doc__ or ""):
+    if "gloo_bridge" in (dist.all_reduce.__doc__ or "") or dist.new_group is not dist.distributed_c10d.new_group:
         errors.append("uninstall did not restore torch.distributed.all_reduce")
     return errors
 

@@ -45,6 +45,7 @@ def test_install_before_init_patches_and_uninstall_restores(monkeypatch: pytest.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     gloo_bridge.install()  # no process group yet: must not need one
     gloo_bridge.install()  # idempotent
+    gloo_bridge.install(ranks_per_node=2)  # same value from another source: same install
     assert gloo_bridge.is_installed()
     assert all(getattr(dist, n) is not before[n] for n in _NAMES)
     assert not gloo_bridge.is_bridged(None)  # nothing initialized: nothing to bridge

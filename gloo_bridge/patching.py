@@ -20,6 +20,7 @@ Calls on groups that are not bridged go to torch untouched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import sys
@@ -289,7 +290,9 @@ def install(ranks_per_node: int | None = None, *, stage_cpu_tensors: bool = Fals
     config = BridgeConfig(layout, bool(stage_cpu_tensors), pinned, int(max_cached_bytes))
     with _LOCK:
         if _BRIDGE is not None:
-            if _BRIDGE.config.layout.ranks_per_node == layout.ranks_per_node and _BRIDGE.config == config:
+            # Same values from another source (argument vs environment) is the same install.
+            if dataclasses.replace(config, layout=_BRIDGE.config.layout) == _BRIDGE.config and \
+                    _BRIDGE.config.layout.ranks_per_node == layout.ranks_per_node:
                 return
             raise RuntimeError(f"gloo_bridge: already installed with {_BRIDGE.config}; call uninstall() first")
         if dist.is_initialized():
