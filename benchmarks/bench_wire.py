@@ -7,6 +7,11 @@
     neither hashes, authenticates nor copies.  Ratio = bare_time / wire_time
     (higher is better; 1.0 means the protocol costs nothing; target >= 0.8).
 
+(b) ``merge_vs_numpy``: the syncer's merge + outer Nesterov step
+    (``diloco.outer.outer_step``) on a 128 MiB fragment with 4 islands'
+    deltas, versus the same arithmetic as numpy in-place ufuncs; the two
+    must agree bit for bit. Ratio = numpy_time / ours_time (target >= 0.5).
+
 Usage::
 
     python benchmarks/bench_wire.py [--mib 256] [--repeat 5]
