@@ -16,9 +16,11 @@ FINAL shows up as a finalization timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -101,6 +103,33 @@ class SyncerLoop:
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._events: IO[str] | None = open(options.event_log, "a") if options.event_log else None
         self._last_status = 0.0
+        self._tight_limits: Limits | None = None
+
+    def _limits(self) -> Limits:
+        """Wire limits for the next message: tightened to the model once it is known.
+
+        Before every fragment is initialised, INIT must be admitted under the
+        operator's limits. Afterwards no legitimate message (PUSH, at most one
+        fragment's fp32 bytes) is larger than the largest fragment, so a hostile
+        declaration beyond that is refused before decode allocates anything.
+        """
+        if self._tight_limits is not None:
+            return self._tight_limits
+        if not self.state.initialised:
+            return self.options.limits
+        frag_bytes = tensor_bytes = 0
+        for f in self.state.fragments:
+            sizes = [4 * math.prod(shape) for _n, _d, shape in f.schema]
+            frag_bytes = max(frag_bytes, sum(sizes))
+            tensor_bytes = max(tensor_bytes, max(sizes))
+        lim = self.options.limits
+        self._tight_limits = dataclasses.replace(
+            lim,
+            max_tensor_bytes=min(lim.max_tensor_bytes, tensor_bytes),
+            max_message_bytes=min(lim.max_message_bytes, frag_bytes),
+        )
+        log.info("wire limits tightened to the model: tensor <= %d B, message <= %d B", tensor_bytes, frag_bytes)
+        return self._tight_limits
 
     # ------------------------------------------------------------------ steps
 
@@ -108,7 +137,7 @@ class SyncerLoop:
         frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         peer = frames[0].bytes
         try:
-            msg = decode(frames[1:], key=self.options.key, limits=self.options.limits)
+            msg = decode(frames[1:], key=self.options.key, limits=self._limits())
         except WireError as e:
             self.wire_refusals += 1
             log.warning("refused message from peer %s: %s", peer.hex(), e)

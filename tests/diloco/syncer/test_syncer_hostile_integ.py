@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from diloco.wire import Bcast, Error, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome, encode
+from diloco.wire import Bcast, Error, Limits, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome, encode
 from syncer_harness import Island, SyncerProc, reference_step
 
 KEY = b"test-key-0123456789"
@@ -69,10 +69,11 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         evil.send_raw([b"\x00" * 32, b"\xc1\xc1not msgpack"])
         evil.send(hello(evil), key=b"wrong key")
         evil.send(hello(evil, protocol=2))
-        evil.send_raw([b"\x00" * 32, b"\x00" * (100 << 10)])  # header over the 64 KiB limit
+        too_big = Limits().max_header_bytes + 1
+        evil.send_raw([b"\x00" * 32, b"\x00" * too_big])  # header over the limit
         evil.send(hello(evil, island=5))
         evil.send(hello(evil, fingerprint="other-layout"))
-        for pattern in (r"1 frames", r"bad MAC", r"protocol 2", r"header is 102400 bytes",
+        for pattern in (r"1 frames", r"bad MAC", r"protocol 2", rf"header is {too_big} bytes",
                         r"unknown_island: island 5", r"fingerprint_mismatch"):
             wait_log(syncer, pattern)
 
@@ -102,6 +103,9 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         frames = encode(push_header(b), tensors(good_b), key=KEY)
         b.send_raw([bytes(x) for x in frames[:-1]] + [bytes(frames[-1])[:-3]])  # truncated last chunk
         wait_log(syncer, r"expected 16")
+        # Once the model is known, a declaration larger than any fragment is refused before allocation.
+        b.send(push_header(b), [("w", torch.zeros(600, 400)), ("b", torch.zeros(4))])
+        wait_log(syncer, r"960000 bytes declared, limit 96")
         for _ts, _kw, code in bad:
             wait_log(syncer, code)
         # Refused pushes are answered with ERROR (the truncated one never decoded: no answer).
