@@ -116,6 +116,24 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
         assert lines[6]["weights"]["1"] == 0 and lines[6]["pushed"] == [0, 1, 2]
         log = syncer.log()
         assert "UNAUTHENTICATED" in log and "status:" in log
+        syncer.stop()
+
+        # A new syncer resumed from the checkpoint welcomes islands with the same versions and cut.
+        resumed = SyncerProc(tmp_path, ["--islands", "3", "--sync-every", "4", "--checkpoint-dir", str(ckpt), "--resume"])
+        try:
+            late = Island(ctx, resumed.endpoint, 1)
+            islands.append(late)
+            late.send(Hello(protocol=1, island=1, generation=late.generation, fingerprint="fp-integ",
+                            n_fragments=P, wire_dtype="float32"))
+            w = late.expect(Welcome).header
+            assert w.need_init is False and w.versions == tuple(versions)
+            for _ in range(P):
+                m = late.expect(Bcast)
+                assert m.header.cut and m.header.version == versions[m.header.fragment]
+                for (_n, t), ref in zip(m.tensors, value[m.header.fragment]):
+                    assert np.array_equal(t.numpy(), ref)
+        finally:
+            resumed.stop()
     finally:
         for isl in islands:
             isl.close()
