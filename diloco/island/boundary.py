@@ -245,12 +245,15 @@ class Island:
 
     def _apply_all(self, orders: Orders, events: list[dict]) -> float:
         t0 = time.monotonic()
-        for f, version, rnd, cut in orders.applies:
+        last = len(orders.applies) - 1
+        for i, (f, version, rnd, cut) in enumerate(orders.applies):
             values = None
             if self.is_sync:
                 values = _fp32(self._pending.pop(f).tensors)
             alpha = 0.0 if cut else self.cfg.alpha
-            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha)
+            # The model-copy refresh (a DP all-gather of the whole model) runs once, after the
+            # last fragment of this boundary.
+            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha, refresh=i == last)
             del values
             self.versions[f] = version
             self.applied_round[f] = max(self.applied_round[f], rnd)
@@ -362,7 +365,7 @@ class Island:
             values = None
             if finals is not None:
                 values = _fp32(finals[f][1])
-            self.transfer.apply_fragment(f, values, alpha=0.0)
+            self.transfer.apply_fragment(f, values, alpha=0.0, refresh=f == self.plan.n_fragments - 1)
         # Every rank learns the final versions from one broadcast (the manifest).
         vers = torch.tensor(list(finals[0][0].versions) if finals is not None else [0] * self.plan.n_fragments,
                             dtype=torch.int64)

@@ -209,11 +209,17 @@ class FragmentTransfer:
         return dist.irecv(t, src=self._peer(src), group=self._group, tag=tag)
 
     def _read(self, h: _Hold, n: int, delta: bool) -> torch.Tensor:
+        """A host (CPU) tensor of the segment's master, or master - anchor.
+
+        Masters may live on an accelerator; gloo must only ever see host memory (handed a
+        CUDA tensor it crashes the process), and anchors live on the host to spare device
+        memory, so the segment is copied down first.
+        """
         master = self._pieces[h.piece].master[h.off : h.off + n]
+        host = master if master.device.type == "cpu" else master.to("cpu")
         if not delta:
-            return master
-        anchor = self._anchors[h.piece][h.off : h.off + n]
-        return master.to(anchor.device) - anchor  # anchors live on the host; masters may be on a GPU
+            return host
+        return host - self._anchors[h.piece][h.off : h.off + n]
 
     def _anchor(self, h: _Hold, n: int) -> torch.Tensor:
         """The anchor slice of a held segment; apply receives the raw global straight into it."""
@@ -228,9 +234,9 @@ class FragmentTransfer:
         master = self._pieces[h.piece].master[h.off : h.off + n]
         anchor = self._anchor(h, n)
         if alpha == 0.0:
-            master.copy_(anchor)
+            master.copy_(anchor)  # copy_ crosses devices (host anchor -> accelerator master)
         else:
-            master.copy_(master * alpha + anchor * (1.0 - alpha))
+            master.copy_(master * alpha + anchor.to(master.device) * (1.0 - alpha))
 
     # -- public API ------------------------------------------------------------
 
