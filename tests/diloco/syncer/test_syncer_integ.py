@@ -7,6 +7,7 @@ a numpy reference of the weighted mean + Nesterov formula bit for bit.
 from __future__ import annotations
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -132,6 +133,12 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
                 assert m.header.cut and m.header.version == versions[m.header.fragment]
                 for (_n, t), ref in zip(m.tensors, value[m.header.fragment]):
                     assert np.array_equal(t.numpy(), ref)
+            # SIGTERM: checkpoint, then exit 130.
+            before = sorted(p.name for p in ckpt.glob("ckpt-*"))
+            resumed.proc.send_signal(signal.SIGTERM)
+            assert resumed.wait(30) == 130, resumed.log()
+            after = sorted(p.name for p in ckpt.glob("ckpt-*"))
+            assert after[-1] > before[-1] and (ckpt / "latest").read_text().strip() == after[-1]
         finally:
             resumed.stop()
     finally:
