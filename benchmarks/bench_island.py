@@ -13,6 +13,13 @@ World 4 (TP2 x DP2, DistributedOptimizer, bf16) real megatron-core GPTModel on C
     isend-irecv throughput of the very same per-peer byte counts into
     preallocated buffers (no packing, no assembly); target >= 0.8.
 
+(c) ``init_vs_max_gather_send``: INIT wall time (island start-up streaming every
+    fragment to a syncer whose link is throttled to about the island's gather
+    speed) / max(gather alone, send alone); target <= 1.15 (1.0 = perfect
+    overlap, 2.0 = no overlap).
+(d) ``idle_boundary_p50_ms``: p50 of a step boundary with nothing to do, vs
+    ``gloo_barrier_p50_ms`` on the same group.
+
 Usage::
 
     python benchmarks/bench_island.py [--hidden 1024] [--layers 4] [--repeat 5]
@@ -29,6 +36,7 @@ import json
 import logging
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import zmq  # noqa: E402
 
 warnings.filterwarnings("ignore")
 from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks  # noqa: E402
@@ -121,11 +130,123 @@ def bench_export_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: i
     }
 
 
+class _ThrottledSyncer(threading.Thread):
+    """A scripted syncer whose link absorbs INIT bytes at ``rate`` bytes/s (sleeps per message)."""
+
+    def __init__(self, n_fragments: int) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.n = n_fragments
+        self.rate = 1e12
+        self.absorbed = 0
+        self.done = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from diloco import wire
+
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            peer, *frames = self.sock.recv_multipart(copy=False)
+            msg = wire.decode(frames)
+            if isinstance(msg.header, wire.Hello):
+                welcome = wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=1, need_init=True,
+                                       versions=(0,) * self.n, sync_every=100, total_steps=0)
+                self.sock.send_multipart([peer.bytes, *wire.encode(welcome)])
+            elif isinstance(msg.header, wire.Init):
+                time.sleep(wire.payload_bytes(msg) / self.rate)
+                self.absorbed += 1
+                if self.absorbed == self.n:
+                    self.done.set()
+        self.sock.close()
+        self.ctx.term()
+
+
+def bench_init_and_idle(rank: int, world: int, spec_kw: dict[str, Any], idle_steps: int) -> dict[str, float]:
+    """Parts (c) and (d); runs on every rank, rank 0's dict is the result."""
+    from diloco.config import IslandConfig
+    from diloco.island.boundary import Island
+    from diloco.island.client import SyncClient
+
+    spec = ModelSpec(**spec_kw)
+    built = build_island_model(spec, tp=2, pp=1)
+    syncer = None
+    addr = "tcp://127.0.0.1:1"  # only the sync rank connects
+    if rank == 0:
+        syncer = _ThrottledSyncer(spec.layers)
+        syncer.start()
+        addr = syncer.addr
+    cfg = IslandConfig(sync_addr=addr, island_id=0, fragments=spec.layers, initial_cut_timeout_s=0.0,
+                       heartbeat_s=1.0)
+    island = Island(cfg, built.layout())
+    n = island.plan.n_fragments
+    total = sum(island.plan.nbytes(f) for f in range(n))
+
+    # Gather alone: every fragment exported to the sync rank, nothing sent.
+    dist.barrier()
+    t0 = time.perf_counter()
+    held = [island.transfer.export_fragment(f, delta=False) for f in range(n)]
+    dist.barrier()
+    t_gather = time.perf_counter() - t0
+    t_send = 0.0
+    if syncer is not None:
+        # Throttle the link to the gather speed: the case where overlap matters most.
+        syncer.rate = total / t_gather
+        client = SyncClient(cfg, island.fingerprint, n)
+        client.wait_welcome(30)
+        t0 = time.perf_counter()
+        for f in range(n):
+            client.send_init(f, held[f])
+        syncer.done.wait(300)
+        t_send = time.perf_counter() - t0
+        client.close()
+        syncer.absorbed = 0
+        syncer.done.clear()
+    del held
+    dist.barrier()
+    t0 = time.perf_counter()
+    island.start()
+    if syncer is not None:
+        syncer.done.wait(300)
+    t_init = time.perf_counter() - t0
+
+    # Idle boundaries vs a gloo barrier on the same group.
+    idle, barrier = [], []
+    for step in range(1, idle_steps + 1):
+        t0 = time.perf_counter()
+        island.step_end(step)
+        idle.append(time.perf_counter() - t0)
+    for _ in range(idle_steps):
+        t0 = time.perf_counter()
+        dist.barrier(group=island.group)
+        barrier.append(time.perf_counter() - t0)
+    if island.client is not None:
+        island.client.close(linger_s=0.2)
+    if syncer is not None:
+        syncer.stop.set()
+        syncer.join(5)
+    return {
+        "init_total_mb": total / 1e6,
+        "init_gather_s": t_gather,
+        "init_send_s": t_send,
+        "init_s": t_init,
+        "init_vs_max_gather_send": t_init / max(t_gather, t_send),
+        "idle_boundary_p50_ms": 1e3 * statistics.median(idle),
+        "gloo_barrier_p50_ms": 1e3 * statistics.median(barrier),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--idle-steps", type=int, default=200)
+    ap.add_argument("--only", choices=("ab", "cd"), default=None, help="run only parts (a, b) or (c, d)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     spec = ModelSpec(
@@ -133,10 +254,14 @@ def main() -> None:
         ffn=4 * args.hidden, seq=16,
     )
     figures: dict[str, float] = {}
-    ab = run_ranks(4, bench_export_apply, spec.__dict__, args.repeat, timeout_s=590)[0]
+    ab = {} if args.only == "cd" else run_ranks(4, bench_export_apply, spec.__dict__, args.repeat, timeout_s=590)[0]
     for k, v in ab.items():
         print(f"{k:40s} {v:.4g}")
     figures.update(ab)
+    cd = {} if args.only == "ab" else run_ranks(4, bench_init_and_idle, spec.__dict__, args.idle_steps, timeout_s=590)[0]
+    for k, v in cd.items():
+        print(f"{k:40s} {v:.4g}")
+    figures.update(cd)
     print(json.dumps(figures))
 
 
