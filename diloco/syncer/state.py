@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from diloco.outer import MergeScratch, OuterHyper, merge_weights, outer_step
+from diloco.syncer.checks import Refused, check_tensors, spec_of
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.records import (
     FragmentRecord,
@@ -30,7 +31,6 @@ from diloco.syncer.records import (
     PushRecord,
     RoundRecord,
     Snapshot,
-    TensorSpec,
 )
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -52,20 +52,6 @@ from diloco.wire import (
 log = logging.getLogger(__name__)
 
 MAX_FINGERPRINT_CHARS = 256
-
-
-class Refused(Exception):
-    """A message broke a protocol rule; raised before any state is changed."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
-def _spec_of(name: str, t: torch.Tensor) -> TensorSpec:
-    dtype = next(k for k, v in WIRE_DTYPES.items() if v == t.dtype)
-    return (name, dtype, tuple(int(s) for s in t.shape))
 
 
 class SyncerState:
@@ -207,25 +193,6 @@ class SyncerState:
             rec.cut_sent = False
             log.info("island %d is live again (generation %d)", rec.island, rec.generation)
 
-    @staticmethod
-    def _check_tensors(
-        msg: Message, schema: tuple[TensorSpec, ...], dtype: str, what: str
-    ) -> None:
-        """Names, order, shapes, dtype and finiteness against a fragment's schema."""
-        if len(msg.tensors) != len(schema):
-            raise Refused("bad_schema", f"{what}: {len(msg.tensors)} tensors, fragment has {len(schema)}")
-        want_dtype = WIRE_DTYPES[dtype]
-        for (name, t), (sname, _sdtype, sshape) in zip(msg.tensors, schema):
-            if name != sname:
-                raise Refused("bad_schema", f"{what}: tensor {name[:80]!r} where {sname[:80]!r} was expected")
-            if tuple(t.shape) != sshape:
-                raise Refused("bad_schema", f"{what}: {name[:80]!r} has shape {tuple(t.shape)}, expected {sshape}")
-            if t.dtype != want_dtype:
-                raise Refused("bad_dtype", f"{what}: {name[:80]!r} is {t.dtype}, expected {dtype}")
-        for name, t in msg.tensors:
-            if not bool(torch.isfinite(t).all()):
-                raise Refused("not_finite", f"{what}: {name[:80]!r} holds NaN or Inf")
-
     # ------------------------------------------------------------------ handlers
 
     def _on_hello(self, peer: bytes, h: Hello, msg: Message, now: float, out: list[Outgoing]) -> None:
@@ -304,8 +271,8 @@ class SyncerState:
             raise Refused("duplicate_init", f"fragment {h.fragment} is already initialised")
         if not msg.tensors:
             raise Refused("bad_schema", f"INIT of fragment {h.fragment} carries no tensors")
-        schema = tuple(_spec_of(n, t) for n, t in msg.tensors)
-        self._check_tensors(msg, schema, "float32", f"INIT fragment {h.fragment}")
+        schema = tuple(spec_of(n, t) for n, t in msg.tensors)
+        check_tensors(msg, schema, "float32", f"INIT fragment {h.fragment}")
 
         # --- accepted. Decoded tensors are fresh allocations: own them directly.
         frag.schema = schema
@@ -337,7 +304,7 @@ class SyncerState:
             raise Refused("bad_base_version", f"base version {h.base_version} outside [0, {frag.version}]")
         if h.local_steps < 0 or h.tokens < 0:
             raise Refused("bad_counts", f"local_steps {h.local_steps} / tokens {h.tokens} negative")
-        self._check_tensors(msg, frag.schema, rec.wire_dtype, f"PUSH round {h.round}")
+        check_tensors(msg, frag.schema, rec.wire_dtype, f"PUSH round {h.round}")
 
         # --- accepted
         r.pushes[h.island] = PushRecord(
