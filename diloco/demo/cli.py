@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fragments", type=int, default=4, help="fragments the model is cut into (default 4)")
     p.add_argument("--sync-every", type=int, default=40,
                    help="H: inner steps between two syncs of the same fragment (default 40)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="syncer's outer Nesterov learning rate (0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="syncer's outer Nesterov momentum (0.9)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--summary", default=None, help="write the summary as JSON to this file")
     p.add_argument("--no-baseline", action="store_true", help="skip the alone baseline (faster)")
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                               "--sync-every", str(args.sync_every), "--total-steps", str(args.steps),
                               "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4",
                               "--key-file", key_file, "--event-log", os.path.join(out, "events.jsonl"),
-                              "--quorum-timeout-s", "120", "--final-timeout-s", "300"])
+                              "--quorum-timeout-s", "120", "--final-timeout-s", "300",
+                              "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)])
     names = []
     common = ["--steps", str(args.steps), "--fragments", str(args.fragments), "--out", out, "--hidden",
               str(args.hidden), "--layers", str(args.layers), "--timeout-s", str(args.timeout_s)]

@@ -154,10 +154,13 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
         from diloco.config import IslandConfig
         from diloco.island.boundary import Island
 
-        cfg = IslandConfig(sync_addr=run.sync_addr, island_id=run.island_id, fragments=run.fragments,
-                           initial_cut_timeout_s=run.initial_cut_timeout_s,
-                           step_log=os.path.join(run.out_dir, f"{run.name}.steplog.jsonl"),
-                           key=os.environ.get("YETO_SYNC_KEY", "").encode())
+        # The same path a real job takes: YETO_* variables (the key, timeouts) read in one place,
+        # with what this launcher decides filled in.
+        env = {**os.environ, "YETO_SYNC_ADDR": run.sync_addr, "YETO_ISLAND_ID": str(run.island_id),
+               "YETO_DILOCO_FRAGMENTS": str(run.fragments),
+               "YETO_DILOCO_INITIAL_CUT_TIMEOUT": str(run.initial_cut_timeout_s),
+               "YETO_DILOCO_STEP_LOG": os.path.join(run.out_dir, f"{run.name}.steplog.jsonl")}
+        cfg = IslandConfig.from_env(env)
         tokens = run.micro_batch * run.seq * ps.get_data_parallel_world_size()
         island = Island(cfg, built.layout(), tokens_per_step=tokens)
         island.start()

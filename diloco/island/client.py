@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 Tensors = list[tuple[str, torch.Tensor]]
 
 _POLL_MS = 50
+_FATAL_CODES = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", "fragments_mismatch",
+                          "bad_fingerprint", "bad_fragments", "bad_dtype", "finished"})
+"""ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
+_REJOIN_CODES = frozenset({"not_bound", "unknown_generation"})
+"""ERROR codes meaning the syncer lost our binding (it restarted): say HELLO again."""
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 10.0
 
@@ -389,8 +394,13 @@ class SyncClient:
                 log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
                 self._shutdown = h.reason or "shutdown"
             elif isinstance(h, wire.Error):
-                log.error("island %d: the syncer refused us: [%s] %s", self._cfg.island_id, h.code, h.reason)
-                if h.code in ("fingerprint", "protocol", "island", "auth"):
+                if h.code in _REJOIN_CODES:
+                    # The syncer does not know our generation: it restarted (or dropped us).
+                    log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
+                                h.code, h.reason)
+                    return True
+                log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
+                if h.code in _FATAL_CODES:
                     self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
             else:
                 log.warning("island %d: unexpected %s from the syncer ignored", self._cfg.island_id, type(h).__name__)

@@ -184,11 +184,25 @@ def test_fatal_refusal_raises_at_next_boundary(syncer: ScriptedSyncer) -> None:
     client = _client(syncer.addr)
     try:
         syncer.recv(wire.Hello)
-        syncer.send(wire.Error(code="fingerprint", reason="layout fingerprint differs"))
+        syncer.send(wire.Error(code="fingerprint_mismatch", reason="layout fingerprint differs"))
         with pytest.raises(SyncError, match="fingerprint"):
             client.wait_welcome(5)
         with pytest.raises(SyncError):
             client.take_ready_pulls()
+    finally:
+        client.close()
+
+
+def test_rejoin_when_syncer_no_longer_knows_us(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        first = syncer.welcome()
+        client.wait_welcome(5)
+        syncer.send(wire.Error(code="not_bound", reason="island 1 has not said HELLO"))
+        second = syncer.welcome()
+        assert second.generation != first.generation
+        client.wait_welcome(5)
+        assert client.stats.redials == 1
     finally:
         client.close()
 
