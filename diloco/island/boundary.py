@@ -229,7 +229,11 @@ class Island:
         applies = [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())]
         return applies
 
-    def _take_pushes(self, orders: Orders) -> list[tuple[int, int, int]]:
+    def _take_pushes(self, orders: Orders, finishing: bool = False) -> list[tuple[int, int, int]]:
+        """Pulls to answer now. While training, a pull waits for one local step on top of the
+        newest value (a zero delta would drag the mean). After the last step no step will come:
+        the pull is answered anyway, with ``local_steps = 0``, which the syncer weighs 0 — so a
+        round opened late (e.g. by a syncer that resumed from a checkpoint) still closes."""
         applied_now = {f for f, *_ in orders.applies}
         pushes = []
         for f, p in sorted(self._pulls.items()):
@@ -237,7 +241,9 @@ class Island:
             if p.round <= round_done:
                 del self._pulls[f]  # that round committed without us
                 continue
-            if f in applied_now or self.versions[f] < 0 or self.steps_since_apply[f] < 1:
+            if self.versions[f] < 0 and f not in applied_now:
+                continue  # never installed: nothing to push against yet
+            if not finishing and (f in applied_now or self.steps_since_apply[f] < 1):
                 continue  # wait for a local step on top of the newest value
             pushes.append((f, p.round, p.attempt))
             del self._pulls[f]
@@ -353,7 +359,7 @@ class Island:
                                     f"{self.client.shutdown_reason}")
             self._collect()
             orders = Orders(applies=self._take_applies())
-            orders.pushes = self._take_pushes(orders)
+            orders.pushes = self._take_pushes(orders, finishing=True)
             return orders
         except SyncError as exc:
             return Orders(error=str(exc))
