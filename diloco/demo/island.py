@@ -14,7 +14,6 @@ driver can show it live.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from diloco.corpus import load_corpus
+from diloco.digest import combined_digest, fragment_digests
 from diloco.testing.megatron_cpu import BuiltModel, ModelSpec, build_island_model, run_ranks
 
 log = logging.getLogger(__name__)
@@ -123,19 +123,6 @@ def _eval_loss(built: BuiltModel, data: CharData, run: IslandRun) -> float:
     return total / EVAL_BATCHES
 
 
-def _digest(island: Any) -> str | None:
-    """sha256 over every fragment's global fp32 value (names, shapes, bytes), on the sync rank."""
-    h = hashlib.sha256()
-    for f in range(island.plan.n_fragments):
-        values = island.transfer.export_fragment(f, delta=False)
-        if values is not None:
-            for name, t in values:
-                h.update(name.encode())
-                h.update(str(tuple(t.shape)).encode())
-                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest() if island.is_sync else None
-
-
 def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     run = IslandRun(**run_dict)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {run.name} r{rank} %(levelname)s %(message)s")
@@ -180,7 +167,8 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
             progress.flush()
     versions = island.finish() if island is not None else []
     eval_loss = _eval_loss(built, data, run)
-    digest = _digest(island) if island is not None else None
+    digests = fragment_digests(island) if island is not None else None
+    digest = combined_digest(digests) if digests is not None else None
     if rank != 0:
         return None
     assert progress is not None
