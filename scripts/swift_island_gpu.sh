@@ -40,6 +40,9 @@ PY
 # --- 2. tiny random Qwen2 + jsonl data (offline) ---------------------------------------------
 [ -d "$WORK/tiny_qwen2" ] || $PY "$KIT/make_tiny_model.py" "$WORK/tiny_qwen2" --arch qwen2 >>"$REPORT" 2>&1
 [ -f "$WORK/data/pt.jsonl" ] || $PY "$KIT/make_dataset.py" "$WORK/data" >>"$REPORT" 2>&1
+# Island 1 reads the same samples in reverse order, so the islands' local steps differ (ms-swift's
+# Megatron sampler does not take --seed).
+[ -f "$WORK/data/pt_island1.jsonl" ] || tac "$WORK/data/pt.jsonl" >"$WORK/data/pt_island1.jsonl"
 
 export PYTHONPATH="$KIT/te_shim:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export SWIFT_TE_SHIM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -65,7 +68,7 @@ island() {  # island ID MASTER_PORT
   NPROC_PER_NODE=1 MASTER_PORT=$2 \
   timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
     --model "$WORK/tiny_qwen2" --model_type qwen2 --template qwen \
-    --dataset "$WORK/data/pt.jsonl" --split_dataset_ratio 0 --seed $((42 + $1)) \
+    --dataset "$WORK/data/$([ "$1" = 1 ] && echo pt_island1.jsonl || echo pt.jsonl)" --split_dataset_ratio 0 \
     --external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto \
     --tensor_model_parallel_size 1 --pipeline_model_parallel_size 1 \
     --micro_batch_size 4 --global_batch_size 16 --max_length 256 \
