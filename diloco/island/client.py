@@ -362,9 +362,17 @@ class SyncClient:
         return header
 
     def _on_frames(self, frames: list[zmq.Frame]) -> bool:
-        """Handle one message from the syncer; True asks the I/O loop to redial."""
-        self.stats.messages_recv += 1
-        self.stats.bytes_recv += sum(len(f.buffer) for f in frames)
+        """Handle one message from the syncer; True asks the I/O loop to redial.
+
+        Counted once handled, so a reader that sees the counter move also sees its effect.
+        """
+        try:
+            return self._handle(frames)
+        finally:
+            self.stats.messages_recv += 1
+            self.stats.bytes_recv += sum(len(f.buffer) for f in frames)
+
+    def _handle(self, frames: list[zmq.Frame]) -> bool:
         try:
             msg = wire.decode(frames, key=self._cfg.key)
         except wire.WireError as exc:
