@@ -108,7 +108,8 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
                 for f in logs.values():
                     f.flush()
                 tail = (tmp_path / f"{name}.log").read_text()[-4000:]
-                pytest.fail(f"{name} exited {p.returncode}:\n{tail}")
+                syncer = (tmp_path / "syncer.log").read_text()[-3000:]
+                pytest.fail(f"{name} exited {p.returncode}:\n{tail}\n--- syncer log tail:\n{syncer}")
     finally:
         for p in procs.values():
             if p.poll() is None:
