@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from diloco.wire.hostpool import HostBufferPool
 from diloco.layout.base import (
     LayoutAdapter,
     ShardInfo,
@@ -128,6 +129,11 @@ class FragmentTransfer:
         self._timeout = timeout
         self._pieces = layout.local_pieces()
         self._anchors: dict[int, torch.Tensor] = {}
+        # Exported global tensors are freed once pushed, and the next export needs the same
+        # sizes (layers share shapes): reusing their pages avoids first-touch page faults,
+        # which on our hosts cost more than the transfer itself. Two fragments' worth idle.
+        largest = max((plan.nbytes(f) for f in range(plan.n_fragments)), default=0)
+        self._pool = HostBufferPool(max_idle_bytes=2 * largest)
         self._anchored: set[int] = set()
         self.bytes_sent = 0
         """Network bytes this rank sent through this object, all calls."""
@@ -263,7 +269,7 @@ class FragmentTransfer:
             keep = [self._read(h, seg.n, delta) for seg, h in route.export.get(self._me, [])]
             self._wait([self._isend(x, self._sync, _TAG_EXPORT) for x in keep])
             return None
-        out = {spec.name: torch.empty(spec.shape, dtype=torch.float32) for spec in self._plan.specs_of(f)}
+        out = {spec.name: self._pool.empty(tuple(spec.shape), torch.float32) for spec in self._plan.specs_of(f)}
         staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
 
         def dest(seg: _Seg) -> torch.Tensor:
@@ -274,7 +280,7 @@ class FragmentTransfer:
             key = (seg.name, seg.shard.key())
             if key not in staged:
                 size = seg.shard.valid_numel(tuple(out[seg.name].shape))
-                staged[key] = (seg.shard, torch.empty(size, dtype=torch.float32))
+                staged[key] = (seg.shard, self._pool.empty((size,), torch.float32))
             return staged[key][1][seg.a : seg.b]
 
         # Post every receive first (into its final place), then copy the sync rank's own pieces
