@@ -4,9 +4,9 @@ Run as a script (its own process, so two islands and the syncer are separate pro
 production). It forks ``--world`` ranks with :func:`diloco.testing.megatron_cpu.run_ranks`;
 every rank builds a real GPTModel + DDP + DistributedOptimizer with the requested TP / PP and
 runs the loop of ms-swift's ``BaseMegatronTrainer`` around :class:`YetoIslandHooks`:
-``on_train_begin``, then per step forward/backward + ``optimizer.step()``,
-``state.iteration += 1``, ``on_step_end``, ``on_log`` every ``--log-every`` steps, and
-finally ``on_train_end``. The ``YETO_*`` variables come from the environment, as in a job.
+``on_train_begin`` (then an optional file barrier across islands), then per step
+forward/backward + ``optimizer.step()``, ``state.iteration += 1``, ``on_step_end``,
+``on_log`` every ``--log-every`` steps, and finally ``on_train_end``. The ``YETO_*`` variables come from the environment, as in a job.
 The last stdout line is one JSON object: every rank's result.
 """
 
@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +30,23 @@ def _spec() -> ModelSpec:
     return ModelSpec(vocab=100, hidden=64, layers=2, heads=4, query_groups=2, ffn=128, seq=16, dtype="bf16")
 
 
-def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: int) -> dict[str, Any]:
+def _barrier(directory: str, me: str, total: int, timeout_s: float = 90.0) -> None:
+    """Wait until every rank of every island has joined the syncer (a file each).
+
+    Islands start at different speeds on a loaded machine; without this, a fast island can
+    finish all its steps (and the syncer finalize with it alone) before the other one says
+    HELLO, which the protocol allows but which would leave nothing to test.
+    """
+    Path(directory, f"ready-{me}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(Path(directory).glob("ready-*"))) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"start barrier: {len(list(Path(directory).glob('ready-*')))} of {total} ranks ready")
+        time.sleep(0.05)
+
+
+def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: int, barrier_dir: str,
+               n_ranks_total: int) -> dict[str, Any]:
     from swift_plugin.island_callback import YetoIslandHooks
 
     spec = _spec()
@@ -46,6 +65,8 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: i
     )
     hooks = YetoIslandHooks(trainer)
     hooks.on_train_begin()
+    if barrier_dir:
+        _barrier(barrier_dir, f"{os.environ['YETO_ISLAND_ID']}-{rank}", n_ranks_total)
     losses = []
     while trainer.state.iteration < steps:
         loss = built.train_step()
@@ -68,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--barrier-dir", default="", help="start barrier shared by all islands (after on_train_begin)")
+    p.add_argument("--barrier-ranks", type=int, default=0, help="ranks of all islands that meet at the barrier")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
@@ -76,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
 
-    results = run_ranks(a.world, _rank_main, a.tp, a.pp, a.steps, a.log_every, timeout_s=a.timeout_s)
+    results = run_ranks(a.world, _rank_main, a.tp, a.pp, a.steps, a.log_every, a.barrier_dir, a.barrier_ranks,
+                        timeout_s=a.timeout_s)
     print(json.dumps(results), flush=True)
     return 0
 

@@ -91,7 +91,7 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
         for island, (tp, pp) in enumerate([(2, 1), (1, 2)]):
             cmd = [sys.executable, str(ROOT / "tests" / "swift_plugin" / "island_proc.py"), "--world", "2",
                    "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS), "--log-every", "2",
-                   "--timeout-s", "150"]
+                   "--timeout-s", "150", "--barrier-dir", str(tmp_path), "--barrier-ranks", "4"]
             procs[f"island{island}"] = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, addr, island),
                                                         stdout=subprocess.PIPE, stderr=logs[f"island{island}"],
                                                         text=True)
