@@ -154,20 +154,28 @@ def shard_from_description(d: dict[str, Any]) -> ShardInfo:
 
 
 class LayoutAdapter(abc.ABC):
-    """Interface between the island's sync core and a training stack (see the module docstring)."""
+    """Interface between the island's sync core and a training stack (see the module docstring).
+
+    A subclass's constructor (collective) sets ``_group``, ``_specs`` and ``_pieces``; the
+    accessors below serve them, and the subclass implements the model-copy refresh.
+    """
+
+    _group: dist.ProcessGroup
+    _specs: dict[str, ParamSpec]
+    _pieces: list[LocalPiece]
 
     @property
-    @abc.abstractmethod
     def group(self) -> dist.ProcessGroup:
         """The island's CPU (gloo) group the adapter's collectives run on."""
+        return self._group
 
-    @abc.abstractmethod
     def specs(self) -> dict[str, ParamSpec]:
         """The canonical table: every parameter of the island; identical on every rank."""
+        return dict(self._specs)
 
-    @abc.abstractmethod
     def local_pieces(self) -> list[LocalPiece]:
         """The pieces this rank owns (possibly none), in a deterministic order."""
+        return list(self._pieces)
 
     @abc.abstractmethod
     def refresh_model_params(self) -> None:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from diloco.layout.base import (
     LayoutAdapter,
     LocalPiece,
-    ParamSpec,
     ShardInfo,
     all_gather_json,
     global_shape_of,
@@ -172,16 +171,6 @@ class MegatronLayout(LayoutAdapter):
         return out
 
     # -- LayoutAdapter -----------------------------------------------------
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self._group
-
-    def specs(self) -> dict[str, ParamSpec]:
-        return dict(self._specs)
-
-    def local_pieces(self) -> list[LocalPiece]:
-        return list(self._pieces)
 
     def refresh_model_params(self) -> None:
         """Copy fp32 masters into the model params in place, then DP all-gather (distributed optimizer).

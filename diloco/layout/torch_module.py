@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.layout.base import LayoutAdapter, LocalPiece, ParamSpec, ShardInfo, all_gather_json, merge_specs
+from diloco.layout.base import LayoutAdapter, LocalPiece, ShardInfo, all_gather_json, merge_specs
 
 
 class TorchLayout(LayoutAdapter):
@@ -44,16 +44,6 @@ class TorchLayout(LayoutAdapter):
             raise ValueError("TorchLayout: ranks hold different modules (names or shapes differ)")
         self._specs = merge_specs(per_rank)
         self._pieces = pieces
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self._group
-
-    def specs(self) -> dict[str, ParamSpec]:
-        return dict(self._specs)
-
-    def local_pieces(self) -> list[LocalPiece]:
-        return list(self._pieces)
 
     def refresh_model_params(self) -> None:
         """Nothing to do: the masters are the params, written in place."""
