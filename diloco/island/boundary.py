@@ -218,6 +218,11 @@ class Island:
                             b.fragment, b.version, problem)
                 continue
             self._pending[b.fragment] = b
+            if b.cut:
+                # A cut redefines the fragment (after a rejoin, possibly from a syncer that
+                # resumed an older checkpoint and re-runs rounds we saw): pulls parked from
+                # before it are void; the syncer pulls again after the cut.
+                self._pulls.pop(b.fragment, None)
         for p in self.client.take_ready_pulls():
             have = self._pulls.get(p.fragment)
             if have is None or (p.round, p.attempt) > (have.round, have.attempt):
@@ -235,9 +240,13 @@ class Island:
         the pull is answered anyway, with ``local_steps = 0``, which the syncer weighs 0 — so a
         round opened late (e.g. by a syncer that resumed from a checkpoint) still closes."""
         applied_now = {f for f, *_ in orders.applies}
+        cut_now = {f for f, _, _, cut in orders.applies if cut}
         pushes = []
         for f, p in sorted(self._pulls.items()):
-            round_done = max(self.applied_round[f], max((r for g, _, r, _ in orders.applies if g == f), default=0))
+            # The newest round of f already committed, counting this boundary's applies; a
+            # cut resets it (a resumed syncer re-runs rounds we had seen committed).
+            floor = 0 if f in cut_now else self.applied_round[f]
+            round_done = max(floor, max((r for g, _, r, cut in orders.applies if g == f and not cut), default=0))
             if p.round <= round_done:
                 del self._pulls[f]  # that round committed without us
                 continue
@@ -262,7 +271,8 @@ class Island:
             nbytes = self.transfer.apply_fragment(f, values, alpha=alpha, refresh=i == last)
             del values
             self.versions[f] = version
-            self.applied_round[f] = max(self.applied_round[f], rnd)
+            # A cut (round 0) resets the round floor: a resumed syncer re-runs later rounds.
+            self.applied_round[f] = rnd if cut else max(self.applied_round[f], rnd)
             self.steps_since_apply[f] = 0
             if self.is_sync:
                 if cut:

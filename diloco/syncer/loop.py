@@ -2,9 +2,19 @@
 
 One thread does everything, in this order per iteration: poll (short timeout),
 drain a bounded batch of messages (each decoded, validated, fed to the state
-machine), ``tick``, write a checkpoint if one became due, then send. Writing the
-checkpoint *before* sending is deliberate: a BCAST of version v must never reach
-an island while a crash could still lose version v.
+machine), ``tick``, start a checkpoint if one became due, then send.
+
+Checkpoints are written on a background thread. Writing one of a large model
+takes minutes; a loop blocked that long would answer no heartbeat, and every
+island would give up on the syncer and redial. The snapshot shares the state's
+tensors (values are immutable published clones, momenta are copied on write
+if their fragment commits meanwhile), so it costs no extra memory in the usual
+case. The price: a BCAST of version v may reach islands before the checkpoint
+holding v is durable. A crash then rolls the islands back to the last
+checkpoint — a resumed syncer is a new syncer instance, whose cut every island
+installs whatever its version — which loses inner steps but never mixes states.
+At most one checkpoint is in flight; one that falls due meanwhile is written
+right after. The final checkpoint (and the one on SIGTERM) is synchronous.
 
 Sends never block: the ROUTER uses ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
 peer that is gone (EHOSTUNREACH) or too slow (its send queue at SNDHWM, EAGAIN)
@@ -104,6 +114,8 @@ class SyncerLoop:
         self._events: IO[str] | None = open(options.event_log, "a") if options.event_log else None
         self._last_status = 0.0
         self._tight_limits: Limits | None = None
+        self._writer: threading.Thread | None = None
+        self._writer_failed = False
 
     def _limits(self) -> Limits:
         """Wire limits for the next message: tightened to the model once it is known.
@@ -149,12 +161,40 @@ class SyncerLoop:
             log.exception("internal error handling %s from peer %s", type(msg.header).__name__, peer.hex())
             return []
 
-    def _checkpoint_if_due(self) -> None:
-        if not self.state.checkpoint_due:
-            return
+    def _checkpoint_if_due(self, wait: bool = False) -> None:
+        """Start a due checkpoint on the writer thread; ``wait`` also waits for it (final)."""
+        self._reap_writer(wait=wait)
+        if not self.state.checkpoint_due or self._writer is not None:
+            return  # a due checkpoint waits for the one in flight
         self.state.checkpoint_due = False
-        if self.store is not None and self.state.initialised:
-            self.store.save(self.state.snapshot())
+        if self.store is None or not self.state.initialised:
+            return
+        snap = self.state.snapshot()
+        store = self.store
+        self._writer_failed = False
+
+        def write() -> None:
+            try:
+                store.save(snap)
+            except Exception:  # noqa: BLE001 - reported on the loop thread
+                log.exception("checkpoint write failed; the syncer keeps serving without it")
+                self._writer_failed = True
+
+        self._writer = threading.Thread(target=write, name="yeto-checkpoint", daemon=True)
+        self._writer.start()
+        if wait:
+            self._reap_writer(wait=True)
+
+    def _reap_writer(self, wait: bool) -> None:
+        """Once the writer finished, release the snapshot's pins (on the loop thread)."""
+        if self._writer is None:
+            return
+        if wait:
+            self._writer.join()
+        if self._writer.is_alive():
+            return
+        self._writer = None
+        self.state.release_snapshot()
 
     def _write_events(self) -> None:
         events, self.state.events = self.state.events, []
@@ -201,8 +241,9 @@ class SyncerLoop:
             while not self.state.finished:
                 if self.stop_event.is_set():
                     log.warning("stopped: writing a checkpoint and exiting")
+                    self._reap_writer(wait=True)
                     self.state.checkpoint_due = True
-                    self._checkpoint_if_due()
+                    self._checkpoint_if_due(wait=True)
                     return EXIT_INTERRUPTED
                 outgoing: list[Outgoing] = []
                 if poller.poll(self.options.poll_ms):
@@ -217,7 +258,13 @@ class SyncerLoop:
                 self._checkpoint_if_due()
                 self._send(outgoing)
                 self._status(now)
+            # The final checkpoint: after any in flight, and synchronous.
+            self._reap_writer(wait=True)
+            self._checkpoint_if_due(wait=True)
             code = self.state.exit_code if self.state.exit_code is not None else EXIT_FINAL_FAILED
+            if self._writer_failed and code == 0:
+                log.error("the final checkpoint could not be written")
+                code = EXIT_FINAL_FAILED
             log.info("syncer finished with exit code %d: %s", code, self.state.status())
             return code
         finally:

@@ -89,6 +89,8 @@ class SyncerState:
         self.final_expected: frozenset[int] = frozenset()
         self.exit_code: int | None = None
         self.checkpoint_due = False
+        self.pinned: set[int] = set()
+        """Fragments whose momentum tensors an in-flight checkpoint still reads."""
         self.events: list[dict[str, Any]] = []
         if snapshot is not None:
             self._restore(snapshot)
@@ -391,6 +393,11 @@ class SyncerState:
         weights = merge_weights(
             [p.tokens for p in pushes], [p.local_steps for p in pushes], self.config.weighting
         )
+        if r.fragment in self.pinned:
+            # A checkpoint being written in the background holds this fragment's momentum
+            # (its values are the immutable ``published`` clone): copy on write.
+            frag.momentum = [m.clone() for m in frag.momentum]
+            self.pinned.discard(r.fragment)
         changed = outer_step(
             frag.values, frag.momentum, [p.deltas for p in pushes], weights, self.hyper, self.scratch
         )
@@ -516,15 +523,26 @@ class SyncerState:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def release_snapshot(self) -> None:
+        """The last :meth:`snapshot` has been written: commits may update momenta in place again."""
+        self.pinned.clear()
+
     def snapshot(self) -> Snapshot:
-        """The checkpointable state (tensors by reference: write it before the next commit)."""
+        """The checkpointable state, consistent as of now, safe to write on another thread.
+
+        Tensors are shared, not copied: values are the immutable ``published`` clones, and
+        every momentum is *pinned* until :meth:`release_snapshot`, so a commit in between
+        copies that fragment's momentum before updating it. A checkpoint therefore costs
+        no extra memory unless fragments commit while it is being written.
+        """
         if not self.initialised or self.fingerprint is None:
             raise RuntimeError("nothing to checkpoint before every fragment is initialised")
+        self.pinned = set(range(len(self.fragments)))
         return Snapshot(
             fingerprint=self.fingerprint,
             n_fragments=self.n_fragments,
             fragments=tuple(
-                FragmentSnapshot(f.version, f.schema, tuple(f.values), tuple(f.momentum)) for f in self.fragments
+                FragmentSnapshot(f.version, f.schema, tuple(f.published), tuple(f.momentum)) for f in self.fragments
             ),
             next_round=self.next_commit,
             ledgers={i.island: i.ledger.to_json() for i in self.islands},
