@@ -374,3 +374,30 @@ def test_config_errors_name_the_flag() -> None:
         SyncerConfig(islands=2, outer_momentum=1.0)
     with pytest.raises(ConfigError, match="--weighting"):
         SyncerConfig(islands=2, weighting="loss")
+
+
+def test_snapshot_stays_consistent_while_fragments_commit() -> None:
+    """A background checkpoint shares tensors with the state: commits must not change it."""
+    st = started()
+    snap = st.snapshot()
+    values_at = [t.clone() for t in snap.fragments[0].values]
+    momentum_at = [t.clone() for t in snap.fragments[0].momentum]
+    st.handle(peer(0), hb(0, 2), 1.0)
+    for i in range(3):
+        st.handle(peer(i), push(i, 1, 0), 1.0)
+    assert st.fragments[0].version == 1
+    # The state moved on (values and momentum), the snapshot did not.
+    assert not torch.equal(st.fragments[0].values[0], values_at[0])
+    assert not torch.equal(st.fragments[0].momentum[0], momentum_at[0])
+    for t, ref in zip(snap.fragments[0].values, values_at):
+        assert torch.equal(t, ref)
+    for t, ref in zip(snap.fragments[0].momentum, momentum_at):
+        assert torch.equal(t, ref)
+    # Only the committed fragment was copied; released pins let commits work in place again.
+    assert snap.fragments[1].momentum[0] is st.fragments[1].momentum[0]
+    st.release_snapshot()
+    mom = st.fragments[1].momentum[0]
+    st.handle(peer(0), hb(0, 4), 2.0)
+    for i in range(3):
+        st.handle(peer(i), push(i, 2, 1), 2.0)
+    assert st.fragments[1].version == 1 and st.fragments[1].momentum[0] is mom
