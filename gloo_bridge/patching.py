@@ -96,6 +96,8 @@ class _Bridge:
         self.world_shadow: dist.ProcessGroup | None = None
         self.patched: list[tuple[Any, str, Any]] = []
         self.wrappers: dict[str, Callable[..., Any]] = {}
+        self.guard_gloo = dev.accelerator_type() is not None
+        """Route every gloo group through staging, not only bridged ones (see ``_gloo_guard``)."""
 
     # -- decisions ------------------------------------------------------------
     def world_spans(self) -> bool:
@@ -117,7 +119,12 @@ class _Bridge:
                     dist.get_world_size() - 1, self.config.layout.ranks_per_node, self.config.layout.source, reason)
 
     def route(self, group: Any) -> dist.ProcessGroup | None:
-        """The gloo group to run a call on, or None when the call is not bridged."""
+        """The gloo group to run a call on through the staging path, or None for torch's own call."""
+        bridged = self.bridged_target(group)
+        return bridged if bridged is not None else self._gloo_guard(group)
+
+    def bridged_target(self, group: Any) -> dist.ProcessGroup | None:
+        """The gloo group a bridged (node-spanning) group runs on, or None when it is not bridged."""
         if group is None or group is c10d.GroupMember.WORLD:
             if not dist.is_initialized():
                 return None
@@ -130,6 +137,25 @@ class _Bridge:
                 )
             return self.world_shadow
         return self.groups.get(id(group))
+
+    def _gloo_guard(self, group: Any) -> dist.ProcessGroup | None:
+        """A gloo group that does not span nodes, in a process that has an accelerator.
+
+        Such a group is not bridged (``is_bridged`` is False), but gloo handed a device
+        tensor crashes the process (``writev ... Bad address``, or a segfault in the
+        coalescing manager): a job whose default backend is gloo on GPUs, or a
+        single-rank group of one, must go through the staging path all the same.
+        On a CPU-only machine nothing changes.
+        """
+        if not self.guard_gloo or not dist.is_initialized():
+            return None
+        target = c10d._get_default_group() if group is None or group is c10d.GroupMember.WORLD else group
+        if target is c10d.GroupMember.NON_GROUP_MEMBER:
+            return None
+        try:
+            return target if dist.get_backend(target) == "gloo" else None
+        except (RuntimeError, ValueError):
+            return None
 
     # -- group creation ---------------------------------------------------------
     def new_group(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,7 +388,7 @@ def is_bridged(group: Any = None) -> bool:
     if bridge is None:
         return False
     try:
-        return bridge.route(group) is not None
+        return bridge.bridged_target(group) is not None
     except RuntimeError:
         return True  # spans nodes, shadow missing: bridged, though unusable
 

@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long (default 1800)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: every rank on a visible GPU (rank %% GPUs)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="> 0: islands install the gloo bridge with this many ranks per node (1 bridges every group)")
     return p
 
 
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                               "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)])
     names = []
     common = ["--steps", str(args.steps), "--fragments", str(args.fragments), "--out", out, "--hidden",
-              str(args.hidden), "--layers", str(args.layers), "--timeout-s", str(args.timeout_s)]
+              str(args.hidden), "--layers", str(args.layers), "--timeout-s", str(args.timeout_s),
+              "--device", args.device, "--ranks-per-node", str(args.ranks_per_node)]
     for i in range(args.islands):
         name, lay = f"island{i}", layouts[i % len(layouts)]
         names.append(name)

@@ -53,6 +53,10 @@ class IslandRun:
     seed: int = 1234
     data_seed: int = 0
     initial_cut_timeout_s: float = 120.0
+    device: str = "cpu"
+    """'cpu', or 'cuda' (every rank on the current visible GPU: a 1-GPU machine can host an island)."""
+    ranks_per_node: int = 0
+    """> 0: install the gloo bridge with this many ranks per node (1 bridges every group)."""
 
 
 def parse_layout(layout: str) -> tuple[int, int, int]:
@@ -103,10 +107,10 @@ def _eval_loss(built: BuiltModel, data: CharData, run: IslandRun) -> float:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     mb, seq = run.micro_batch, run.seq
-    position_ids = torch.arange(seq).unsqueeze(0).expand(mb, seq)
+    position_ids = torch.arange(seq, device=built.device).unsqueeze(0).expand(mb, seq)
     total = 0.0
     for i in range(EVAL_BATCHES):
-        batch = data.batch(mb, seq, seed=10_000 + i, held_out=True)
+        batch = {k: v.to(built.device) for k, v in data.batch(mb, seq, seed=10_000 + i, held_out=True).items()}
 
         def forward_step(it: Any, model: torch.nn.Module, batch: dict = batch) -> tuple:
             next(it, None)
@@ -129,10 +133,17 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     for name in ("megatron", "torch"):
         logging.getLogger(name).setLevel(logging.ERROR)
     tp, pp, _ = parse_layout(run.layout)
+    if run.device == "cuda":
+        # One GPU may host several ranks: each rank takes GPU rank % visible GPUs.
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if run.ranks_per_node > 0:
+        import gloo_bridge
+
+        gloo_bridge.install(ranks_per_node=run.ranks_per_node)
     data = CharData()
     spec = ModelSpec(vocab=data.vocab, hidden=run.hidden, layers=run.layers, heads=4, query_groups=2,
                      ffn=2 * run.hidden, seq=run.seq, micro_batch=run.micro_batch, dtype="bf16", seed=run.seed)
-    built = build_island_model(spec, tp=tp, pp=pp, lr=run.lr)
+    built = build_island_model(spec, tp=tp, pp=pp, lr=run.lr, device=run.device)
     from megatron.core import parallel_state as ps
 
     dp_rank = ps.get_data_parallel_rank()
@@ -204,10 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ranks-per-node", type=int, default=0, help="> 0: install the gloo bridge")
     a = p.parse_args(argv)
     run = IslandRun(name=a.name, island_id=a.island_id, layout=a.layout, steps=a.steps, fragments=a.fragments,
                     sync_addr=a.sync_addr, out_dir=a.out, hidden=a.hidden, layers=a.layers, seq=a.seq,
-                    micro_batch=a.micro_batch, lr=a.lr, data_seed=a.data_seed)
+                    micro_batch=a.micro_batch, lr=a.lr, data_seed=a.data_seed, device=a.device,
+                    ranks_per_node=a.ranks_per_node)
     os.makedirs(a.out, exist_ok=True)
     try:
         run_island(run, timeout_s=a.timeout_s)

@@ -240,6 +240,8 @@ class BuiltModel:
     dp: int
     steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    """Where the model lives: 'cpu' (patched megatron) or 'cuda' (a real GPU run)."""
 
     def layout(self, group: dist.ProcessGroup | None = None) -> Any:
         """A MegatronLayout over this model (collective over `group`, default world)."""
@@ -266,13 +268,15 @@ class BuiltModel:
 
         if batch is None:
             batch = self.make_batch(self.steps, n_micro)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
         mb = self.spec.micro_batch
         seq = self.spec.seq
         micro = [
             {k: v[i * mb : (i + 1) * mb] for k, v in batch.items()} for i in range(n_micro)
         ]
         it = iter(micro)
-        position_ids = torch.arange(seq).unsqueeze(0).expand(mb, seq)
+        position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mb, seq)
+        loss_mask = torch.ones(mb, seq, device=self.device)
 
         def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             loss = (output.float() * loss_mask).sum() / loss_mask.sum()
@@ -285,7 +289,7 @@ class BuiltModel:
             if data is None:
                 next(data_iterator, None)
             out = model(tokens, position_ids, None, labels=labels)
-            return out, lambda o: loss_func(torch.ones(mb, seq), o)
+            return out, lambda o: loss_func(loss_mask, o)
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -319,14 +323,19 @@ def build_island_model(
     ep: int = 1,
     use_distributed_optimizer: bool = True,
     lr: float = 1e-3,
+    device: str = "cpu",
 ) -> BuiltModel:
     """Initialise model parallelism on the existing default group and build GPTModel + DDP + optimizer.
 
-    Collective over the whole world. Calls `install_cpu_patches()`. A second
-    call in the same process tears the previous model-parallel state down
-    first (the old model must not be used afterwards).
+    Collective over the whole world. On ``device='cpu'`` calls `install_cpu_patches()`;
+    ``device='cuda'`` builds on the current CUDA device with megatron's own RNG tracker (GPU
+    runs of the demo and benchmarks). A second call in the same process tears the previous
+    model-parallel state down first (the old model must not be used afterwards).
     """
-    install_cpu_patches()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cpu":
+        install_cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -348,12 +357,18 @@ def build_island_model(
         expert_model_parallel_size=ep,
         create_gloo_process_groups=False,
     )
-    _seed_cpu_tracker(
-        spec.seed,
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_expert_model_parallel_rank(),
-        ps.get_expert_tensor_parallel_rank(),
-    )
+    if device == "cpu":
+        _seed_cpu_tracker(
+            spec.seed,
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank(),
+        )
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(spec.seed)
+        model_parallel_cuda_manual_seed(spec.seed)
     bf16 = spec.dtype == "bf16"
     cfg = TransformerConfig(
         num_layers=spec.layers,
@@ -369,7 +384,7 @@ def build_island_model(
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device == "cpu",
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -419,6 +434,7 @@ def build_island_model(
         pp=pp,
         ep=ep,
         dp=ps.get_data_parallel_world_size(),
+        device=device,
     )
 
 

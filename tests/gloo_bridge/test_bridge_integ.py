@@ -76,3 +76,42 @@ def test_megatron_groups_and_ops_under_bridge(stage: bool, tmp_path: Path) -> No
     verdicts = run_ranks(WORLD, functools.partial(_body, port=free_port(), stage=stage), tmp_path)
     failures = {r: v["errors"] for r, v in enumerate(verdicts) if not v["ok"]}
     assert not failures, failures
+
+
+def _guard_body(rank: int, port: int) -> list[str]:
+    """One node, 2 ranks, default backend gloo: nothing spans nodes, nothing is bridged.
+
+    In a process with an accelerator the bridge still routes such gloo groups through the
+    staging path (gloo handed a device tensor crashes the process). ``guard_gloo`` is what
+    ``install()`` sets from the device helper; forced on here, with CPU tensors forced
+    through staging, to exercise that routing on a CPU machine.
+    """
+    from gloo_bridge import patching
+
+    gloo_bridge.install(ranks_per_node=2, stage_cpu_tensors=True)
+    init_world(rank, 2, port, "gloo")
+    errors: list[str] = []
+    bridge = patching._BRIDGE
+    assert bridge is not None
+    if bridge.guard_gloo:
+        errors.append("guard_gloo is on without an accelerator")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if gloo_bridge.bridge_stats()["allocations"] != 0:
+        errors.append("a gloo group that does not span nodes was staged without an accelerator")
+    bridge.guard_gloo = True
+    if gloo_bridge.is_bridged(None):
+        errors.append("is_bridged(WORLD) is True on one node")
+    errors += run_op_suite(None, torch.device("cpu"), "guarded world")
+    if gloo_bridge.bridge_stats()["allocations"] == 0:
+        errors.append("the guarded gloo group did not go through the staging path")
+    dist.destroy_process_group()
+    gloo_bridge.uninstall()
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_gloo_guard_stages_unbridged_gloo_groups(tmp_path: Path) -> None:
+    verdicts = run_ranks(2, functools.partial(_guard_body, port=free_port()), tmp_path)
+    failures = {r: v["errors"] for r, v in enumerate(verdicts) if not v["ok"]}
+    assert not failures, failures
