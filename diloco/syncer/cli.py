@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weighting", default="tokens", choices=("tokens", "equal"), help="merge weights")
     p.add_argument("--dead-after-s", type=float, default=120.0, help="an island silent this long leaves the live set")
     p.add_argument("--final-timeout-s", type=float, default=600.0, help="seconds to wait for every FINAL_ACK")
+    p.add_argument("--join-timeout-s", type=float, default=600.0,
+                   help="finalization waits this long after start for islands that never joined (0: do not wait)")
     p.add_argument("--event-log", default=None, help="JSON-lines file, one line per commit")
     p.add_argument("--status-every-s", type=float, default=2.0, help="period of the status line on stderr")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             weighting=args.weighting,
             dead_after_s=args.dead_after_s,
             final_timeout_s=args.final_timeout_s,
+            join_timeout_s=args.join_timeout_s,
         )
         if args.resume and not args.checkpoint_dir:
             raise ConfigError("--resume: needs --checkpoint-dir")

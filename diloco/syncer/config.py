@@ -41,6 +41,9 @@ class SyncerConfig:
         dead_after_s: an island silent this long leaves the live set
             (``--dead-after-s``).
         final_timeout_s: seconds to wait for every FINAL_ACK (``--final-timeout-s``).
+        join_timeout_s: finalization waits for every island id to have joined at least
+            once, up to this many seconds after the syncer started; a fast island must not
+            finish the run before a slow one has even connected (``--join-timeout-s``).
         max_fragments: upper bound on ``n_fragments`` a HELLO may declare; keeps
             a hostile HELLO from making the syncer allocate per-fragment state.
     """
@@ -57,6 +60,7 @@ class SyncerConfig:
     weighting: str = "tokens"
     dead_after_s: float = 120.0
     final_timeout_s: float = 600.0
+    join_timeout_s: float = 600.0
     max_fragments: int = 4096
 
     def __post_init__(self) -> None:
@@ -80,6 +84,7 @@ class SyncerConfig:
         need(self.weighting in WEIGHTINGS, "--weighting", f"must be one of {WEIGHTINGS}, got {self.weighting!r}")
         need(math.isfinite(self.dead_after_s) and self.dead_after_s > 0, "--dead-after-s", f"must be > 0, got {self.dead_after_s}")
         need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")
+        need(math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0, "--join-timeout-s", f"must be >= 0, got {self.join_timeout_s}")
         need(self.max_fragments >= 1, "max_fragments", "must be >= 1")
 
     @property

@@ -42,6 +42,8 @@ class IslandRecord:
     peer: bytes = b""
     wire_dtype: str = "float32"
     bound: bool = False
+    joined: bool = False
+    """Said HELLO at least once to this syncer instance (never reset)."""
     alive: bool = False
     last_step: int = 0
     done: bool = False

@@ -89,6 +89,8 @@ class SyncerState:
         self.final_expected: frozenset[int] = frozenset()
         self.exit_code: int | None = None
         self.checkpoint_due = False
+        self.started_at: float | None = None
+        """Clock of the first message or tick: the join timeout counts from it."""
         self.pinned: set[int] = set()
         """Fragments whose momentum tensors an in-flight checkpoint still reads."""
         self.events: list[dict[str, Any]] = []
@@ -131,6 +133,8 @@ class SyncerState:
 
     def handle(self, peer: bytes, msg: Message, now: float) -> list[Outgoing]:
         """Apply one decoded message from ``peer``; return what to send."""
+        if self.started_at is None:
+            self.started_at = now
         header = msg.header
         out: list[Outgoing] = []
         try:
@@ -159,6 +163,8 @@ class SyncerState:
 
     def tick(self, now: float) -> list[Outgoing]:
         """Apply the time-based rules; call on every loop iteration."""
+        if self.started_at is None:
+            self.started_at = now
         out: list[Outgoing] = []
         for isl in self.live():
             if now - isl.last_seen > self.config.dead_after_s:
@@ -238,6 +244,7 @@ class SyncerState:
         rec.generation = h.generation
         rec.wire_dtype = h.wire_dtype
         rec.bound = True
+        rec.joined = True
         rec.alive = True
         rec.final_acked = False
         # Every HELLO (new or repeated) gets the whole current cut: the island
@@ -495,6 +502,12 @@ class SyncerState:
         total = self.config.total_steps
         if not all(i.done or (total > 0 and i.last_step >= total) for i in live):
             return
+        missing = [i.island for i in self.islands if not i.joined]
+        if missing:
+            if self.started_at is None or now - self.started_at < self.config.join_timeout_s:
+                return  # a slow island may still be starting: let it join the run
+            log.warning("finalizing without islands %s: they never joined within --join-timeout-s=%.0fs",
+                        missing, self.config.join_timeout_s)
         self.phase = "final"
         self.final_deadline = now + self.config.final_timeout_s
         self.final_expected = frozenset(i.island for i in live)

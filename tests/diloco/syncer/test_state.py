@@ -401,3 +401,30 @@ def test_snapshot_stays_consistent_while_fragments_commit() -> None:
     for i in range(3):
         st.handle(peer(i), push(i, 2, 1), 2.0)
     assert st.fragments[1].version == 1 and st.fragments[1].momentum[0] is mom
+
+
+def test_finalization_waits_for_islands_that_never_joined() -> None:
+    """A fast island must not finish the run before a slow one has even connected."""
+    st = SyncerState(replace(CFG, total_steps=1, join_timeout_s=50.0), syncer_id=7)
+    st.handle(peer(0), hello(0, GEN[0]), 0.0)
+    st.handle(peer(0), init(0), 0.0)
+    st.handle(peer(0), init(1), 0.0)
+    st.handle(peer(1), hello(1, GEN[1]), 0.0)
+    for i in range(2):
+        st.handle(peer(i), hb(i, 1, done=True), 1.0)
+    assert st.phase == "running" and not of(st.tick(10.0), Final)  # island 2 has not joined yet
+    out = st.handle(peer(2), hello(2, GEN[2]), 11.0)
+    assert of(out, Bcast)  # it gets its cut and joins the run
+    assert not of(st.tick(12.0), Final)  # ... and now finalization waits for it to be done
+    out = st.handle(peer(2), hb(2, 1, done=True), 13.0)
+    assert st.phase == "final" and len({o.peer for o in of(out, Final)}) == 3
+    # An island that never comes: finalize without it once the join timeout has passed.
+    st = SyncerState(replace(CFG, total_steps=1, join_timeout_s=50.0), syncer_id=7)
+    st.handle(peer(0), hello(0, GEN[0]), 0.0)
+    st.handle(peer(0), init(0), 0.0)
+    st.handle(peer(0), init(1), 0.0)
+    st.handle(peer(0), hb(0, 1, done=True), 1.0)
+    st.handle(peer(0), hb(0, 1, done=True), 29.0)  # island 0 stays alive (dead after 30 s of silence)
+    assert not of(st.tick(49.0), Final)
+    out = st.handle(peer(0), hb(0, 1, done=True), 50.5)
+    assert st.phase == "final" and {o.peer for o in of(out, Final)} == {peer(0)}
