@@ -29,6 +29,8 @@ from diloco.wire import (
     Welcome,
 )
 
+from syncer_harness import reference_step  # noqa: E402
+
 pytestmark = pytest.mark.timeout(60)
 
 FP = "f" * 16
@@ -95,14 +97,7 @@ def values(st: SyncerState, f: int) -> list[np.ndarray]:
     return [v.numpy().copy() for v in st.fragments[f].values]
 
 
-def reference(value: np.ndarray, mom: np.ndarray, deltas: list[np.ndarray], ws: list[int], lr: float = 0.7, mu: float = 0.9):
-    s = np.zeros_like(value)
-    for d, w in zip(deltas, ws):
-        s = s + d.astype(np.float32) * np.float32(w)
-    d = s / np.float32(sum(ws))
-    g = -d
-    m = np.float32(mu) * mom + g
-    return value - np.float32(lr) * (g + np.float32(mu) * m), m
+reference = reference_step  # the PROTOCOL.md commit formula in numpy (syncer_harness)
 
 
 # ---------------------------------------------------------------- HELLO / INIT / cut
