@@ -7,6 +7,9 @@ library assumes CUDA in a handful of places; `install_cpu_patches` redirects
 them to the CPU (see docs in /work/shared/MEGATRON_CPU.md for the checked
 facts). Production code never imports this module.
 
+`build_island_model(..., device="cuda")` builds the same island on a real GPU without
+the patches (the demo's and benchmarks' GPU runs, several ranks may share one GPU).
+
 `run_ranks` is the multi-process harness: it forks workers after the parent
 imported megatron (a world-4 launch then costs well under a second instead of
 seconds of imports per worker), gives each a gloo default group, collects one
