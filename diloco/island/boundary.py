@@ -177,6 +177,10 @@ class Island:
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
             self._apply_all(orders, [])
+            if self.is_sync and orders.applies:
+                done = sum(v >= 0 for v in self.versions)
+                log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
+                         timeout_s - max(0.0, deadline - time.monotonic()))
             if orders.stop:
                 return
 
