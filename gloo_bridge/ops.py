@@ -63,7 +63,10 @@ def _divider(name: str, tensor: torch.Tensor, size: int) -> Callable[[], None]:
         raise UnsupportedBridgedOp(
             f"gloo_bridge: {name} with ReduceOp.AVG on {tensor.dtype} is not supported on a bridged group"
         )
-    return lambda: tensor.div_(size)
+    def divide() -> None:
+        tensor.div_(size)
+
+    return divide
 
 
 class BridgedOps:

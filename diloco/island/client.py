@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -358,7 +359,7 @@ class SyncClient:
             if isinstance(header, wire.Heartbeat):
                 return wire.Heartbeat(island=self._cfg.island_id, generation=gen, step=self._step, done=self._done)
         if isinstance(header, (wire.Init, wire.Push, wire.FinalAck)):
-            return type(header)(**{**_fields(header), "generation": gen})
+            return msgspec.structs.replace(header, generation=gen)
         return header
 
     def _on_frames(self, frames: list[zmq.Frame]) -> bool:
@@ -457,6 +458,3 @@ class SyncClient:
         self._accepted_version[h.fragment] = h.version
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors)
 
-
-def _fields(header: wire.Header) -> dict[str, object]:
-    return {name: getattr(header, name) for name in header.__struct_fields__}

@@ -209,10 +209,14 @@ class FragmentTransfer:
 
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
         self.bytes_sent += t.numel() * t.element_size()
-        return dist.isend(t, dst=self._peer(dst), group=self._group, tag=tag)
+        work = dist.isend(t, dst=self._peer(dst), group=self._group, tag=tag)
+        assert work is not None  # only None for a rank outside the group, which we never are
+        return work
 
     def _irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-        return dist.irecv(t, src=self._peer(src), group=self._group, tag=tag)
+        work = dist.irecv(t, src=self._peer(src), group=self._group, tag=tag)
+        assert work is not None
+        return work
 
     def _read(self, h: _Hold, n: int, delta: bool) -> torch.Tensor:
         """A host (CPU) tensor of the segment's master, or master - anchor.

@@ -182,6 +182,14 @@ class LayoutAdapter(abc.ABC):
         """Collective: after masters were written, bring the model copy (and DP replicas) up to date in place."""
 
 
+def _world() -> dist.ProcessGroup:
+    """The default group (typed: ``dist.group.WORLD`` is Optional to type checkers)."""
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialised")
+    return world
+
+
 def all_gather_json(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     """All-gather a JSON-able object from every rank (group rank order), without pickle.
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.layout.base import (
+    _world,
     LayoutAdapter,
     LocalPiece,
     ShardInfo,
@@ -70,7 +71,7 @@ class MegatronLayout(LayoutAdapter):
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        self._group = group if group is not None else dist.group.WORLD
+        self._group = group if group is not None else _world()
         self._chunks = list(model_chunks)
         self._optimizer = optimizer
         masters = self._master_map()
@@ -90,7 +91,7 @@ class MegatronLayout(LayoutAdapter):
                     srank, scount = etp if is_expert else tp
                     shard = ShardInfo(
                         local_shape=tuple(p.shape),
-                        partition_dim=int(p.partition_dim),
+                        partition_dim=int(getattr(p, "partition_dim")),  # megatron's TP metadata
                         partition_stride=int(getattr(p, "partition_stride", 1)),
                         shard_rank=srank,
                         shard_count=scount,
@@ -189,4 +190,4 @@ class MegatronLayout(LayoutAdapter):
             # The model copy of a param is only written by its DP owner above;
             # the all-gather brings every DP rank's copy up to date in place.
             for chunk in self._chunks:
-                chunk.start_param_sync(force_sync=True)
+                chunk.start_param_sync(force_sync=True)  # type: ignore[operator]

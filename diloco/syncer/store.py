@@ -224,7 +224,8 @@ class CheckpointStore:
         expected_keys: set[str] = set()
         for idx, fr in enumerate(man["fragments"]):
             schema: tuple[TensorSpec, ...] = tuple((n, d, tuple(s)) for n, d, s in fr["schema"])
-            vals, moms = [], []
+            vals: list[torch.Tensor] = []
+            moms: list[torch.Tensor] = []
             for name, _d, shape in schema:
                 key = _key(idx, name)
                 expected_keys.add(key)

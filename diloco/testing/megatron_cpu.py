@@ -143,7 +143,7 @@ def install_cpu_patches() -> None:
     global _PATCHED, _MODE
     if _PATCHED:
         return
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core.transformer.moe import moe_utils
@@ -295,7 +295,7 @@ class BuiltModel:
             return out, lambda o: loss_func(loss_mask, o)
 
         for chunk in self.model:
-            chunk.zero_grad_buffer()
+            chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
         losses = fwd_bwd(

@@ -73,7 +73,7 @@ def _wire_bytes(tensor: torch.Tensor) -> memoryview:
     so the frames keep the tensor alive until zmq is done sending them.
     """
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
 
 
 def encode(
