@@ -182,7 +182,7 @@ class LayoutAdapter(abc.ABC):
         """Collective: after masters were written, bring the model copy (and DP replicas) up to date in place."""
 
 
-def _world() -> dist.ProcessGroup:
+def world_group() -> dist.ProcessGroup:
     """The default group (typed: ``dist.group.WORLD`` is Optional to type checkers)."""
     world = dist.group.WORLD
     if world is None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.layout.base import (
-    _world,
+    world_group,
     LayoutAdapter,
     LocalPiece,
     ShardInfo,
@@ -71,7 +71,7 @@ class MegatronLayout(LayoutAdapter):
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        self._group = group if group is not None else _world()
+        self._group = group if group is not None else world_group()
         self._chunks = list(model_chunks)
         self._optimizer = optimizer
         masters = self._master_map()

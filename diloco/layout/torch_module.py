@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.layout.base import LayoutAdapter, LocalPiece, ShardInfo, _world, all_gather_json, merge_specs
+from diloco.layout.base import LayoutAdapter, LocalPiece, ShardInfo, all_gather_json, world_group, merge_specs
 
 
 class TorchLayout(LayoutAdapter):
@@ -29,7 +29,7 @@ class TorchLayout(LayoutAdapter):
     def __init__(
         self, module: torch.nn.Module, optimizer: Any = None, group: dist.ProcessGroup | None = None
     ) -> None:
-        self._group = group if group is not None else _world()
+        self._group = group if group is not None else world_group()
         self._module = module
         pieces: list[LocalPiece] = []
         for name, p in module.named_parameters():
