@@ -12,6 +12,10 @@ World 4 (TP2 x DP2, DistributedOptimizer, bf16) real megatron-core GPTModel on C
 (b) ``export_vs_gloo_p2p`` / ``apply_vs_gloo_p2p``: our throughput / raw gloo
     isend-irecv throughput of the very same per-peer byte counts into
     preallocated buffers (no packing, no assembly); target >= 0.8.
+    ``refresh_fragment_s`` / ``refresh_all_s``: the model-copy refresh after an
+    apply (DP all-gather) of only the smallest fragment's buckets vs the whole model
+    (equal here: without overlapped grad reduce megatron keeps one DDP bucket, so a
+    fragment's buckets are the whole model; jobs with bucketed DDP gather less).
 
 (c) ``init_vs_max_gather_send``: INIT wall time (island start-up streaming every
     fragment to a syncer whose link is throttled to about the island's gather
@@ -112,6 +116,10 @@ def bench_export_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: i
     network = xfer.last_apply_network_bytes
     t_apply_refresh = _timed(lambda: apply(True), repeat)
     t_raw_apply = _raw_p2p(apply_counts, False, repeat)
+    # Model-copy refresh after an apply: only the applied fragment's DDP buckets vs the whole model.
+    small = min(range(plan.n_fragments), key=plan.nbytes)
+    t_refresh_fragment = _timed(lambda: xfer.refresh([small]), repeat)
+    t_refresh_all = _timed(lambda: layout.refresh_model_params(), repeat)
     flat = torch.zeros(nbytes // 4, dtype=torch.float32)
     t_bcast = _timed(lambda: dist.broadcast(flat, src=0), repeat)
     return {
@@ -125,6 +133,9 @@ def bench_export_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: i
         "export_s": t_export,
         "export_gbps": nbytes / t_export / 1e9,
         "apply_gbps": nbytes / t_apply / 1e9,
+        "refresh_fragment_mb": plan.nbytes(small) / 1e6,
+        "refresh_fragment_s": t_refresh_fragment,
+        "refresh_all_s": t_refresh_all,
         "export_vs_gloo_p2p": t_raw_export / t_export,
         "apply_vs_gloo_p2p": t_raw_apply / t_apply,
     }

@@ -264,15 +264,12 @@ class Island:
 
     def _apply_all(self, orders: Orders, events: list[dict]) -> float:
         t0 = time.monotonic()
-        last = len(orders.applies) - 1
-        for i, (f, version, rnd, cut) in enumerate(orders.applies):
+        for f, version, rnd, cut in orders.applies:
             values = None
             if self.is_sync:
                 values = _fp32(self._pending.pop(f).tensors)
             alpha = 0.0 if cut else self.cfg.alpha
-            # The model-copy refresh (a DP all-gather of the whole model) runs once, after the
-            # last fragment of this boundary.
-            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha, refresh=i == last)
+            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha, refresh=False)
             del values
             self.versions[f] = version
             # A cut (round 0) resets the round floor: a resumed syncer re-runs later rounds.
@@ -286,6 +283,9 @@ class Island:
                     pushed = self._pushed_at.pop((f, rnd), None)
                     events.append({"type": "apply", "fragment": f, "version": version, "round": rnd,
                                    "bytes": nbytes, "lag_steps": None if pushed is None else self.step - pushed})
+        if orders.applies:
+            # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
+            self.transfer.refresh(f for f, *_ in orders.applies)
         return time.monotonic() - t0
 
     def _push_all(self, orders: Orders, events: list[dict]) -> float:
@@ -385,7 +385,8 @@ class Island:
             values = None
             if finals is not None:
                 values = _fp32(finals[f][1])
-            self.transfer.apply_fragment(f, values, alpha=0.0, refresh=f == self.plan.n_fragments - 1)
+            self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
+        self.transfer.refresh(range(self.plan.n_fragments))
         # Every rank learns the final versions from one broadcast (the manifest).
         vers = torch.tensor(list(finals[0][0].versions) if finals is not None else [0] * self.plan.n_fragments,
                             dtype=torch.int64)

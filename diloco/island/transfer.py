@@ -30,7 +30,7 @@ has a timeout, so it fails instead of hanging forever).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -250,6 +250,11 @@ class FragmentTransfer:
 
     # -- public API ------------------------------------------------------------
 
+    def refresh(self, fragments: Iterable[int]) -> None:
+        """Collective: bring the model copies of these fragments' params up to date (after
+        applies with ``refresh=False``)."""
+        self._layout.refresh_model_params([n for f in fragments for n in self._plan.names(f)])
+
     def fragment_nbytes(self, f: int) -> int:
         """Bytes of fragment f's fp32 global tensors."""
         return self._plan.nbytes(f)
@@ -354,7 +359,7 @@ class FragmentTransfer:
         # Every rank reaches this point only after its own receives completed;
         # the refresh is itself a collective, so no rank reads a stale model copy.
         if refresh:
-            self._layout.refresh_model_params()
+            self.refresh([f])
         return handed
 
     def _scatter(

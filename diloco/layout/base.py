@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import abc
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,8 +179,12 @@ class LayoutAdapter(abc.ABC):
         return list(self._pieces)
 
     @abc.abstractmethod
-    def refresh_model_params(self) -> None:
-        """Collective: after masters were written, bring the model copy (and DP replicas) up to date in place."""
+    def refresh_model_params(self, names: Collection[str] | None = None) -> None:
+        """Collective: after masters were written, bring the model copy (and DP replicas) up to date in place.
+
+        ``names`` (canonical) limits the DP traffic to what changed — the parameters of the
+        fragments just applied; None refreshes everything. Every rank passes the same names.
+        """
 
 
 def world_group() -> dist.ProcessGroup:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -80,12 +81,15 @@ class MegatronLayout(LayoutAdapter):
         ep_rank = ps.get_expert_model_parallel_rank()
         pieces: list[LocalPiece] = []
         local_specs: dict[str, tuple[int, ...]] = {}
+        self._param_ids: dict[str, set[int]] = {}
+        """Canonical name -> ids of this rank's model params holding it (tied copies included)."""
         for chunk in self._chunks:
             gpt = _unwrap(chunk)
             layer_offsets = self._layer_numbers(gpt)
             local_experts = self._num_local_experts(gpt)
             for pname, p in gpt.named_parameters():
                 name = self._canonical(pname, p, layer_offsets, local_experts, ep_rank)
+                self._param_ids.setdefault(name, set()).add(id(p))
                 is_expert = getattr(p, "allreduce", True) is False
                 if getattr(p, "tensor_model_parallel", False):
                     srank, scount = etp if is_expert else tp
@@ -173,11 +177,15 @@ class MegatronLayout(LayoutAdapter):
 
     # -- LayoutAdapter -----------------------------------------------------
 
-    def refresh_model_params(self) -> None:
+    def refresh_model_params(self, names: Collection[str] | None = None) -> None:
         """Copy fp32 masters into the model params in place, then DP all-gather (distributed optimizer).
 
         Collective over the DP groups of every chunk: every rank of the island
         must call it at the same point (the transfer module does, after each apply).
+        With ``names``, only the DDP bucket groups holding those parameters are
+        all-gathered: one fragment's bytes instead of the whole model's, which is what
+        matters when DP runs over slow links. DP peers hold the same buckets, so they
+        make the same choice.
         """
         distributed = False
         for sub in _sub_optimizers(self._optimizer):
@@ -189,5 +197,13 @@ class MegatronLayout(LayoutAdapter):
         if distributed:
             # The model copy of a param is only written by its DP owner above;
             # the all-gather brings every DP rank's copy up to date in place.
+            wanted = None if names is None else {i for n in names for i in self._param_ids.get(n, ())}
             for chunk in self._chunks:
-                chunk.start_param_sync(force_sync=True)  # type: ignore[operator]
+                if wanted is None:
+                    chunk.start_param_sync(force_sync=True)  # type: ignore[operator]
+                    continue
+                groups = list(getattr(chunk, "bucket_groups", [])) + list(
+                    getattr(chunk, "expert_parallel_bucket_groups", []))
+                for bucket_group in groups:
+                    if any(id(p) in wanted for p in bucket_group.params):
+                        bucket_group.start_param_sync(force_sync=True)

@@ -9,6 +9,7 @@ and hooks keep pointing at the same tensors.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -45,5 +46,5 @@ class TorchLayout(LayoutAdapter):
         self._specs = merge_specs(per_rank)
         self._pieces = pieces
 
-    def refresh_model_params(self) -> None:
+    def refresh_model_params(self, names: Collection[str] | None = None) -> None:
         """Nothing to do: the masters are the params, written in place."""
