@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from diloco.keys import read_key_file
+
 WIRE_DTYPE_NAMES = ("float32", "bfloat16")
 
 
@@ -130,12 +132,9 @@ class IslandConfig:
             if key:
                 raise ConfigError("set only one of YETO_SYNC_KEY and YETO_SYNC_KEY_FILE")
             try:
-                with open(key_file, "rb") as fh:
-                    key = fh.read().strip()
-            except OSError as exc:
-                raise ConfigError(f"YETO_SYNC_KEY_FILE={key_file!r} cannot be read: {exc}") from exc
-            if not key:
-                raise ConfigError(f"YETO_SYNC_KEY_FILE={key_file!r} is empty")
+                key = read_key_file(key_file)
+            except ValueError as exc:
+                raise ConfigError(f"YETO_SYNC_KEY_FILE: {exc}") from exc
         addr = env.get("YETO_SYNC_ADDR", "")
         if not addr:
             raise ConfigError("YETO_SYNC_ADDR is not set (the syncer's address, e.g. tcp://host:5555)")

@@ -17,6 +17,7 @@ import signal
 import sys
 from types import FrameType
 
+from diloco.keys import read_key_file
 from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.state import SyncerState
@@ -57,13 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_key(key_file: str | None) -> bytes:
     if key_file is not None:
         try:
-            with open(key_file, "rb") as f:
-                key = f.read().strip()
-        except OSError as e:
-            raise ConfigError(f"--key-file: cannot read {key_file}: {e.strerror}") from e
-        if not key:
-            raise ConfigError(f"--key-file: {key_file} is empty")
-        return key
+            return read_key_file(key_file)
+        except ValueError as e:
+            raise ConfigError(f"--key-file: {e}") from e
     return os.environ.get(KEY_ENV, "").encode()
 
 

@@ -1,0 +1,50 @@
+"""IslandConfig.from_env: every bad YETO_* value fails at start, naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.config import ConfigError, IslandConfig
+from diloco.syncer.cli import _read_key
+from diloco.syncer.config import ConfigError as SyncerConfigError
+
+pytestmark = pytest.mark.timeout(30)
+
+BASE = {"YETO_SYNC_ADDR": "tcp://127.0.0.1:5555", "YETO_ISLAND_ID": "1"}
+
+
+def test_defaults_and_overrides() -> None:
+    cfg = IslandConfig.from_env(dict(BASE, YETO_DILOCO_STEP_LOG="/tmp/s-{island}.jsonl"), tokens_per_step=64)
+    assert (cfg.island_id, cfg.fragments, cfg.wire_dtype, cfg.tokens_per_step) == (1, 4, "float32", 64)
+    assert cfg.step_log_path() == "/tmp/s-1.jsonl" and cfg.key == b""
+
+
+@pytest.mark.parametrize("env, var", [
+    ({"YETO_ISLAND_ID": "0"}, "YETO_SYNC_ADDR"),
+    ({"YETO_SYNC_ADDR": "tcp://h:1"}, "YETO_ISLAND_ID"),
+    (dict(BASE, YETO_ISLAND_ID="x"), "YETO_ISLAND_ID"),
+    (dict(BASE, YETO_DILOCO_ALPHA="1.0"), "YETO_DILOCO_ALPHA"),
+    (dict(BASE, YETO_WIRE_DTYPE="fp16"), "YETO_WIRE_DTYPE"),
+    (dict(BASE, YETO_DILOCO_FRAGMENTS="0"), "YETO_DILOCO_FRAGMENTS"),
+    (dict(BASE, YETO_HEARTBEAT_S="nan"), "YETO_HEARTBEAT_S"),
+    (dict(BASE, YETO_CROSS_NODE_GLOO="maybe"), "YETO_CROSS_NODE_GLOO"),
+    (dict(BASE, YETO_RANKS_PER_NODE="0"), "YETO_RANKS_PER_NODE"),
+    (dict(BASE, YETO_SYNC_ADDR="localhost:5555"), "YETO_SYNC_ADDR"),
+])
+def test_bad_values_name_the_variable(env: dict, var: str) -> None:
+    with pytest.raises(ConfigError, match=var):
+        IslandConfig.from_env(env)
+
+
+def test_key_file_read_alike_by_islands_and_syncer(tmp_path) -> None:
+    good, empty = tmp_path / "key", tmp_path / "empty"
+    good.write_bytes(b"  secret\n")
+    empty.write_bytes(b"\n")
+    assert IslandConfig.from_env(dict(BASE, YETO_SYNC_KEY_FILE=str(good))).key == b"secret" == _read_key(str(good))
+    for path, why in ((empty, "empty"), (tmp_path / "missing", "cannot be read")):
+        with pytest.raises(ConfigError, match=f"YETO_SYNC_KEY_FILE.*{why}"):
+            IslandConfig.from_env(dict(BASE, YETO_SYNC_KEY_FILE=str(path)))
+        with pytest.raises(SyncerConfigError, match=f"--key-file.*{why}"):
+            _read_key(str(path))
+    with pytest.raises(ConfigError, match="only one"):
+        IslandConfig.from_env(dict(BASE, YETO_SYNC_KEY="k", YETO_SYNC_KEY_FILE=str(good)))
