@@ -103,7 +103,7 @@ class Island:
         need_init = False
         error: str | None = None
         if self.is_sync:
-            self.client = SyncClient(self.cfg, self.fingerprint, self.plan.n_fragments)
+            self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan))
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
@@ -414,6 +414,11 @@ class Island:
             if self.client is not None:
                 self.client.close(linger_s=0.5)
             raise IslandError(f"island {self.cfg.island_id}: {orders.error}")
+
+
+def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:
+    """The flat stream of every fragment (names and global shapes in plan order)."""
+    return [wire.FragmentLayout.of([(s.name, s.shape) for s in plan.specs_of(f)]) for f in range(plan.n_fragments)]
 
 
 def _fp32(tensors: Tensors) -> Tensors:
