@@ -49,7 +49,7 @@ from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, d
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
-from diloco.wire import Bcast, Final, Limits, Payload, WireError, encode, open_message, seal
+from diloco.wire import Bcast, Final, Limits, Payload, Pull, WireError, encode, open_message, seal
 from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class _EncodedCache:
         self.entries.setdefault((fragment, version, dtype), [None] * n_parts)[part] = payload
 
     def prune(self, current: tuple[int, ...]) -> None:
-        for key in [k for k in self.entries if k[0] >= len(current) or k[1] != current[k[0]]]:
+        """Drop payloads of versions that are neither current nor being committed (current + 1)."""
+        for key in [k for k in self.entries if k[0] >= len(current) or k[1] not in (current[k[0]], current[k[0]] + 1)]:
             del self.entries[key]
 
 
@@ -314,6 +315,12 @@ class SyncerLoop:
                     self._pacer.add(o.peer, stream)
                 continue
             frames = encode(o.header, key=self.options.key)
+            behind = self._pacer.last_stream(o.peer) if isinstance(o.header, Pull) else None
+            if behind is not None:
+                # A PULL follows every value already streaming to that island, so it is
+                # answered against the newest anchor; heartbeats and errors never wait.
+                behind.then.append(frames)
+                continue
             try:
                 self.sock.send_multipart([o.peer, *frames], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -682,14 +682,14 @@ class SyncerState:
             return
         members = frozenset(i.island for i in ready)
         p, h = self.n_fragments, self.config.sync_every
-        training = sorted((i.last_step for i in ready if not self._finished_training(i)), reverse=True)
+        training = sorted((i.last_step for i in ready if not i.done), reverse=True)
         if training:
             clock = training[min(self.config.effective_quorum, len(training)) - 1]
             while True:
                 t = self.next_open
                 threshold = (t * h + p - 1) // p  # ceil(t * H / P)
                 if self.config.total_steps > 0 and threshold > self.config.total_steps:
-                    return
+                    break  # the schedule is over: only the flush is left
                 if clock < threshold:
                     return
                 fragment = (t - 1) % p
@@ -698,6 +698,7 @@ class SyncerState:
                 self._open(t, fragment, members, now, out, flush=False)
                 log.info("open round %d fragment %d (clock step %d >= %d), members %s", t, fragment, clock,
                          threshold, sorted(members))
+        if not all(self._finished_training(i) for i in ready):
             return
         if self.flush_left is None:
             self.flush_left = set(range(p))

@@ -52,6 +52,8 @@ class Stream:
     ok: bool = False
     data_bytes: int = 0
     control_bytes: int = 0
+    then: list[list[Any]] = field(default_factory=list)
+    """Control messages that must follow this stream (sent right after its last part)."""
 
 
 class Pacer:
@@ -78,6 +80,11 @@ class Pacer:
             stream.done.set()
             return
         self._streams.setdefault(dest, collections.deque()).append(stream)
+
+    def last_stream(self, dest: bytes) -> Stream | None:
+        """The newest stream to ``dest`` whose last part is not handed to zmq yet, if any."""
+        queue = self._streams.get(dest)
+        return queue[-1] if queue else None
 
     def pending(self, dest: bytes | None = None) -> int:
         """Streams not yet fully handed to zmq (for one destination, or all)."""
@@ -136,6 +143,12 @@ class Pacer:
                 inflight.append((tracker, stream, last))
                 if last:
                     queue.popleft()
+                    for msg in stream.then:  # zmq keeps order: they follow the last part
+                        try:
+                            self._send(dest, msg, False)
+                        except zmq.ZMQError as exc:
+                            log.warning("dropped a message after %s: %s", stream.label, exc)
+                    stream.then.clear()
             if not queue:
                 self._streams.pop(dest, None)
             if not inflight:
