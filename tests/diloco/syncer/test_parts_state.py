@@ -423,3 +423,71 @@ def test_rounds_follow_the_slower_island_then_one_flush_round_per_fragment(total
     for i in range(2):
         out = d.send(peer(i), FinalAck(island=i, generation=GEN[i], versions=(3, 3)), now=6.0)
     assert len(of(out, Shutdown)) == 2 and d.st.exit_code == 0
+
+
+# ---------------------------------------------------------------- liveness by parts
+
+
+def test_parts_count_as_hearing_from_the_island() -> None:
+    """A slow push (one part every 20 s, no heartbeat, dead after 30 s of silence) keeps its island live."""
+    d = started()
+    open_round(d, 1)
+    v0, m0 = frag_state(d)
+    p1 = pushes(1, 1)
+    d.send(peer(1), *p1[0], now=1.0)  # started first: the round waits for it past the grace window
+    d.send_all(peer(0), pushes(0, 1), now=1.0)
+    d.send_all(peer(2), pushes(2, 1), now=1.0)
+    for k, (h, s) in enumerate(p1[1:], start=1):
+        now = 1.0 + 20.0 * k
+        for i in (0, 2):
+            d.send(peer(i), hb(i, 2), now=now)
+        d.tick(now)
+        assert d.st.islands[1].alive and d.st.rounds[1].attempt == 0, k
+        out = d.send(peer(1), h, s, now=now)
+    assert streams(out) and d.st.events[-1]["pushed"] == [0, 1, 2]
+    check_commit(d, v0, m0, {i: delta(i, 1) for i in range(3)}, d.st.events[-1])
+
+
+# ---------------------------------------------------------------- found bugs (xfail until fixed)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG state.py _on_push: a negative part index is not refused when n_parts == 0 "
+                                       "(part < 0 takes the part-0 branch; check_part only runs for n_parts > 0), so a "
+                                       "zero-weight header with part=-1 is accepted, even over an existing push")
+def test_negative_part_index_is_refused() -> None:
+    d = started()
+    open_round(d, 1)
+    p1 = pushes(1, 1)
+    d.send_all(peer(1), p1[:2], now=1.0)  # a partial weighted push
+    rep = msgspec.structs.replace
+    zero_neg = rep(p1[0][0], part=-1, local_steps=0, n_parts=0)
+    before = fingerprint(d)
+    # Over the partial push: accepted today, and it refreshes the stalled push's last_part_at.
+    assert errors(d.send(peer(1), zero_neg, [], now=20.0)) == ["bad_part"]
+    assert fingerprint(d) == before
+    # A fresh zero-weight push with part -1: accepted today (and so is its duplicate).
+    assert errors(d.send(peer(2), rep(zero_neg, island=2, generation=GEN[2]), [], now=1.0)) == ["bad_part"]
+    assert 2 not in d.st.rounds[1].pushes
+
+
+@pytest.mark.xfail(strict=True, reason="BUG state.py _on_hello/_on_push: an island that reconnects (new generation) "
+                                       "in the middle of its push leaves a partial push of the retired generation in "
+                                       "the round; its parts can never come (old_generation), the new generation is "
+                                       "refused duplicate_push and gets no PULL, so the round waits --dead-after-s "
+                                       "(120 s by default) for the stall before re-pulling")
+def test_reconnect_mid_push_repulls_at_once() -> None:
+    d = started()
+    open_round(d, 1)
+    v0, m0 = frag_state(d)
+    d.send_all(peer(0), pushes(0, 1), now=1.0)
+    d.send_all(peer(2), pushes(2, 1), now=1.0)
+    d.send_all(peer(1), pushes(1, 1)[:2], now=1.0)
+    out = d.send(peer(1), hello(1, gen=21, numel=(NUMEL,)), now=2.0)
+    # Expected: the attempt holding the dead stream is dropped now, and everyone is pulled again.
+    assert d.st.rounds[1].attempt == 1
+    assert Pull(fragment=0, round=1, attempt=1) in {o.header for o in of(out, Pull) if o.peer == peer(1)}
+    new_gen = push_parts(1, 21, 0, 1, delta(1, 1), E, attempt=1)
+    for i, msgs in ((0, pushes(0, 1, attempt=1)), (2, pushes(2, 1, attempt=1)), (1, new_gen)):
+        assert not errors(d.send_all(peer(i), msgs, now=3.0))
+    assert d.st.versions() == (1,)
+    check_commit(d, v0, m0, {i: delta(i, 1) for i in range(3)}, d.st.events[-1])
