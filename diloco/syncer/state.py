@@ -305,6 +305,14 @@ class SyncerState:
         if rec.bound and rec.generation != h.generation:
             rec.retired_generations.add(rec.generation)
             log.info("island %d reconnected: generation %d replaces %d", h.island, h.generation, rec.generation)
+            # A push the old connection left half-sent is in the running sum and its last parts
+            # will never come: drop that attempt now (not after --dead-after-s) and pull again;
+            # the reconnected island is pulled after its cut.
+            for r in list(self.rounds.values()):
+                p = r.pushes.get(h.island)
+                if p is not None and not p.complete and not r.closed:
+                    self._restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")
+                    r.members = r.members | {h.island}
         rec.generation = h.generation
         rec.wire_dtype = h.wire_dtype
         rec.bound = True
@@ -406,6 +414,8 @@ class SyncerState:
             raise Refused("round_closed", f"round {h.round} already closed")
         if h.island not in r.members:
             raise Refused("not_member", f"island {h.island} is not a member of round {h.round} attempt {r.attempt}")
+        if h.part < 0 or h.n_parts < 0 or (h.n_parts == 0 and h.part != 0):
+            raise Refused("bad_part", f"part {h.part} of {h.n_parts} is not a part index")
         frag = self.fragments[r.fragment]
         assert frag.layout is not None
         E = self.config.part_elems

@@ -448,12 +448,9 @@ def test_parts_count_as_hearing_from_the_island() -> None:
     check_commit(d, v0, m0, {i: delta(i, 1) for i in range(3)}, d.st.events[-1])
 
 
-# ---------------------------------------------------------------- found bugs (xfail until fixed)
+# ---------------------------------------------------------------- regressions of bugs found while porting
 
 
-@pytest.mark.xfail(strict=True, reason="BUG state.py _on_push: a negative part index is not refused when n_parts == 0 "
-                                       "(part < 0 takes the part-0 branch; check_part only runs for n_parts > 0), so a "
-                                       "zero-weight header with part=-1 is accepted, even over an existing push")
 def test_negative_part_index_is_refused() -> None:
     d = started()
     open_round(d, 1)
@@ -470,11 +467,6 @@ def test_negative_part_index_is_refused() -> None:
     assert 2 not in d.st.rounds[1].pushes
 
 
-@pytest.mark.xfail(strict=True, reason="BUG state.py _on_hello/_on_push: an island that reconnects (new generation) "
-                                       "in the middle of its push leaves a partial push of the retired generation in "
-                                       "the round; its parts can never come (old_generation), the new generation is "
-                                       "refused duplicate_push and gets no PULL, so the round waits --dead-after-s "
-                                       "(120 s by default) for the stall before re-pulling")
 def test_reconnect_mid_push_repulls_at_once() -> None:
     d = started()
     open_round(d, 1)
