@@ -58,7 +58,7 @@ def test_built_in_code_with_the_same_checks() -> None:
                      (dict(fragments=True), "YETO_DILOCO_FRAGMENTS"), (dict(sync_addr="host:1"), "YETO_SYNC_ADDR"),
                      (dict(heartbeat_s=float("nan")), "YETO_HEARTBEAT_S"), (dict(wire_dtype="fp8"), "YETO_WIRE_DTYPE"),
                      (dict(cross_node_gloo=1), "YETO_CROSS_NODE_GLOO")]:
-        kwargs = dict(sync_addr="tcp://127.0.0.1:5555", island_id=0, **bad)
+        kwargs = {"sync_addr": "tcp://127.0.0.1:5555", "island_id": 0, **bad}
         with pytest.raises(ConfigError, match=f"{next(iter(bad))} .*{var}"):
             IslandConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="fragments"):
