@@ -213,7 +213,7 @@ def _summarize(out: str, names: list[str], args: argparse.Namespace, wall: float
         path = os.path.join(out, f"{n}.steplog.jsonl")
         if os.path.exists(path):
             s = summarize(path)
-            moved += s.bytes_sent + s.bytes_recv
+            moved += s.data_bytes_sent + s.data_bytes_recv + s.control_bytes_sent + s.control_bytes_recv
             sync_share[n] = s.sync_share
     digests = [islands[n]["digest"] if islands.get(n) else None for n in names]
     return {

@@ -68,10 +68,26 @@ class PendingBcast:
 
 @dataclass
 class ClientStats:
-    """Byte and message counters, read by the step log (monotonic; the reader diffs them)."""
+    """Byte and message counters, read by the step log (monotonic; the reader diffs them).
+
+    Data bytes are tensor payload (in the wire dtype); control bytes are everything else on
+    the wire (MACs, headers, heartbeats, pulls, acks).
+    """
 
     bytes_sent: int = 0
+    """Every byte handed to zmq (data + control)."""
     bytes_recv: int = 0
+    """Every byte received and handled (data + control)."""
+    data_bytes_sent: int = 0
+    """Tensor payload bytes sent (INIT and PUSH)."""
+    data_bytes_recv: int = 0
+    """Tensor payload bytes received (BCAST and FINAL)."""
+    control_bytes_sent: int = 0
+    """Non-payload bytes sent."""
+    control_bytes_recv: int = 0
+    """Non-payload bytes received."""
+    push_bytes_sent: int = 0
+    """Tensor payload bytes of sent PUSH messages (numel x wire itemsize, summed)."""
     messages_sent: int = 0
     messages_recv: int = 0
     pushes_dropped: int = 0
@@ -345,7 +361,14 @@ class SyncClient:
                     tracker.wait(self._cfg.connect_timeout_s)
                 out.sent.set()
             self.stats.messages_sent += 1
-            self.stats.bytes_sent += sum(len(memoryview(f)) for f in frames)
+            # Frames are [MAC, header, *payload chunks] (diloco.wire.codec.encode).
+            control = sum(len(memoryview(f)) for f in frames[:2])
+            data = sum(len(memoryview(f)) for f in frames[2:])
+            self.stats.bytes_sent += control + data
+            self.stats.control_bytes_sent += control
+            self.stats.data_bytes_sent += data
+            if isinstance(header, wire.Push):
+                self.stats.push_bytes_sent += data
         return sock
 
     def _restamp(self, header: wire.Header) -> wire.Header:
@@ -371,7 +394,11 @@ class SyncClient:
             return self._handle(frames)
         finally:
             self.stats.messages_recv += 1
-            self.stats.bytes_recv += sum(len(f.buffer) for f in frames)
+            control = sum(len(f.buffer) for f in frames[:2])
+            data = sum(len(f.buffer) for f in frames[2:])
+            self.stats.bytes_recv += control + data
+            self.stats.control_bytes_recv += control
+            self.stats.data_bytes_recv += data
 
     def _handle(self, frames: list[zmq.Frame]) -> bool:
         try:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from diloco.layout.base import group_rank
+
 _MAX_ORDERS_BYTES = 1 << 20
 
 
@@ -63,7 +65,7 @@ def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) 
 
     ``orders`` is only read on ``src``. Idle orders cost one small broadcast.
     """
-    is_src = dist.get_rank(group) == src
+    is_src = group_rank(group) == src
     head = torch.zeros(2, dtype=torch.int64)
     payload = b""
     if is_src:

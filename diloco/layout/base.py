@@ -46,6 +46,7 @@ import abc
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -193,6 +194,29 @@ def world_group() -> dist.ProcessGroup:
     if world is None:
         raise RuntimeError("torch.distributed is not initialised")
     return world
+
+
+def island_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The island's CPU group: ``group`` if given, else the default group, else a private one.
+
+    A one-process island (a notebook, a test, a plain training script) should not have to
+    call ``init_process_group``: when torch.distributed is not initialised this returns a
+    private 1-rank gloo group over an in-memory store. It is not registered as the default
+    group, so a program that initialises torch.distributed later is not disturbed. Our
+    collectives on it are no-ops in effect (one rank), but they run the same code path as a
+    real island.
+    """
+    if group is not None:
+        return group
+    if dist.is_initialized():
+        return world_group()
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(minutes=5))
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``; works for the private group of :func:`island_group`
+    too (``dist.get_rank`` needs a registered group and a default group)."""
+    return int(group.rank())
 
 
 def all_gather_json(obj: Any, group: dist.ProcessGroup) -> list[Any]:
