@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``yeto-demo``; returns the exit status (0 only if every process succeeded
+    and the final digests are equal)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
