@@ -30,6 +30,7 @@ class Block(torch.nn.Module):
         self.fc1, self.fc2 = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(x)."""
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 

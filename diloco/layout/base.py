@@ -62,6 +62,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the global tensor."""
         n = 1
         for s in self.shape:
             n *= s
@@ -93,6 +94,7 @@ class ShardInfo:
 
     @property
     def local_numel(self) -> int:
+        """Elements of the local (possibly padded) tensor."""
         n = 1
         for s in self.local_shape:
             n *= s
@@ -116,6 +118,7 @@ class ShardInfo:
         return valid_rows * row_numel
 
     def padded(self, global_shape: tuple[int, ...]) -> bool:
+        """Whether the local tensor has rows the canonical tensor lacks (megatron's vocab padding)."""
         return self.valid_numel(global_shape) != self.local_numel
 
 
@@ -146,6 +149,7 @@ class LocalPiece:
 
 
 def shard_from_description(d: dict[str, Any]) -> ShardInfo:
+    """Inverse of :meth:`LocalPiece.describe` for the shard part (what other ranks route on)."""
     return ShardInfo(
         local_shape=tuple(int(x) for x in d["local_shape"]),
         partition_dim=int(d["dim"]),
