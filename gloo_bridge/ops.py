@@ -127,7 +127,7 @@ class BridgedOps:
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.all_reduce`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.all_reduce``; ``args`` are the caller's bound arguments."""
         tensor, op = args["tensor"], args["op"]
         _check_reduce_op("all_reduce", op)
         sc = self._staged(tensor)
@@ -139,7 +139,7 @@ class BridgedOps:
         return self._complete("all_reduce", sc, lambda: self._orig["all_reduce"](**kw), kw["async_op"], [tensor])
 
     def broadcast(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.broadcast`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.broadcast``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         group_src = args.get("group_src")
         is_src = group.rank() == group_src if group_src is not None else dist.get_rank() == args["src"]
@@ -150,7 +150,7 @@ class BridgedOps:
         return self._complete("broadcast", sc, lambda: self._orig["broadcast"](**kw), kw["async_op"], [tensor])
 
     def reduce(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.reduce`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.reduce``; ``args`` are the caller's bound arguments."""
         tensor, op = args["tensor"], args["op"]
         _check_reduce_op("reduce", op)
         group_dst = args.get("group_dst")
@@ -165,7 +165,7 @@ class BridgedOps:
         return self._complete("reduce", sc, lambda: self._orig["reduce"](**kw), kw["async_op"], [tensor])
 
     def all_gather(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.all_gather`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.all_gather``; ``args`` are the caller's bound arguments."""
         tensor, outs = args["tensor"], list(args["tensor_list"])
         sc = self._staged(tensor, *outs)
         host_in = sc.host_in(tensor)
@@ -174,7 +174,7 @@ class BridgedOps:
         return self._complete("all_gather", sc, lambda: self._orig["all_gather"](**kw), kw["async_op"], outs)
 
     def all_gather_into_tensor(self, args: Args, group: dist.ProcessGroup, name: str = "all_gather_into_tensor") -> Any:
-        """``torch.distributed.all_gather_into_tensor`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.all_gather_into_tensor``; ``args`` are the caller's bound arguments."""
         output, inp = args["output_tensor"], args["input_tensor"]
         size = group.size()
         if output.numel() != size * inp.numel() or output.dtype != inp.dtype:
@@ -194,7 +194,7 @@ class BridgedOps:
         return self._complete(name, sc, lambda: self._orig["all_gather"](**kw), async_op, [output])
 
     def reduce_scatter_tensor(self, args: Args, group: dist.ProcessGroup, name: str = "reduce_scatter_tensor") -> Any:
-        """``torch.distributed.reduce_scatter_tensor`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.reduce_scatter_tensor``; ``args`` are the caller's bound arguments."""
         output, inp, op = args["output"], args["input"], args["op"]
         _check_reduce_op(name, op)
         size, rank = group.size(), group.rank()
@@ -220,7 +220,7 @@ class BridgedOps:
         return self._complete(name, sc, lambda: self._orig["all_reduce"](**kw), async_op, [output])
 
     def all_to_all_single(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.all_to_all_single`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.all_to_all_single``; ``args`` are the caller's bound arguments."""
         output, inp = args["output"], args["input"]
         sc = self._staged(output, inp)
         host_in = sc.host_in(inp)
@@ -230,7 +230,7 @@ class BridgedOps:
                               kw["async_op"], [output])
 
     def gather(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.gather`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.gather``; ``args`` are the caller's bound arguments."""
         tensor, glist = args["tensor"], args.get("gather_list")
         outs = list(glist) if glist else []
         sc = self._staged(tensor, *outs)
@@ -240,7 +240,7 @@ class BridgedOps:
         return self._complete("gather", sc, lambda: self._orig["gather"](**kw), kw["async_op"], outs)
 
     def scatter(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.scatter`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.scatter``; ``args`` are the caller's bound arguments."""
         tensor, slist = args["tensor"], args.get("scatter_list")
         ins = list(slist) if slist else []
         sc = self._staged(tensor, *ins)
@@ -250,21 +250,21 @@ class BridgedOps:
         return self._complete("scatter", sc, lambda: self._orig["scatter"](**kw), kw["async_op"], [tensor])
 
     def barrier(self, args: Args, group: dist.ProcessGroup) -> Any:
-        """``torch.distributed.barrier`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.barrier``; ``args`` are the caller's bound arguments."""
         kw = self._kw(args, group)
         kw.pop("device_ids", None)  # device ids are an NCCL notion; gloo has none
         return self._orig["barrier"](**kw)
 
     # -- point to point ----------------------------------------------------------
     def send(self, args: Args, group: dist.ProcessGroup, name: str = "send") -> Any:
-        """``torch.distributed.send`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.send``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         sc = self._staged(tensor)
         kw = self._kw(args, group, tensor=sc.host_in(tensor))
         return self._complete(name, sc, lambda: self._orig[name](**kw), name == "isend", [tensor])
 
     def recv(self, args: Args, group: dist.ProcessGroup, name: str = "recv") -> Any:
-        """``torch.distributed.recv`` on a bridged group: ``args`` are the caller's bound arguments; device tensors go through host buffers."""
+        """Bridged ``dist.recv``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         sc = self._staged(tensor)
         kw = self._kw(args, group, tensor=sc.host_out(tensor))
