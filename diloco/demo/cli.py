@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``yeto-demo``; returns the exit status (0 only if every process succeeded
+    and the final digests are equal)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
@@ -213,7 +215,7 @@ def _summarize(out: str, names: list[str], args: argparse.Namespace, wall: float
         path = os.path.join(out, f"{n}.steplog.jsonl")
         if os.path.exists(path):
             s = summarize(path)
-            moved += s.bytes_sent + s.bytes_recv
+            moved += s.data_bytes_sent + s.data_bytes_recv + s.control_bytes_sent + s.control_bytes_recv
             sync_share[n] = s.sync_share
     digests = [islands[n]["digest"] if islands.get(n) else None for n in names]
     return {

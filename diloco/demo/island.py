@@ -94,6 +94,7 @@ class CharData:
         self.train, self.held_out = ids[:cut], ids[cut:]
 
     def batch(self, n: int, seq: int, seed: int, held_out: bool = False) -> dict[str, torch.Tensor]:
+        """``n`` random windows of ``seq`` tokens (and next-token labels), reproducible from ``seed``."""
         src = self.held_out if held_out else self.train
         g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(src) - seq - 1, (n,), generator=g)
@@ -200,6 +201,7 @@ def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m diloco.demo.island``: run one demo island (what ``yeto-demo`` launches)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", required=True)
     p.add_argument("--island-id", type=int, default=0)

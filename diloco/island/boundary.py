@@ -23,6 +23,7 @@ collective the others skipped.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -35,9 +36,9 @@ from diloco.config import IslandConfig
 from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.orders import Orders, broadcast_orders
 from diloco.island.transfer import FragmentTransfer
-from diloco.layout.base import LayoutAdapter
-from diloco.plan import FragmentPlan, layout_fingerprint, make_plan
-from diloco.steplog import StepLog, StepRecord
+from diloco.layout.base import LayoutAdapter, group_rank
+from diloco.plan import Assignment, FragmentPlan, layout_fingerprint, make_plan
+from diloco.steplog import BoundaryRecord, StepLog, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,21 @@ class Island:
             (the adapter's collectives and ours must run on one group, in one order).
         tokens_per_step: tokens one optimizer step consumes (weights pushes); falls back to
             ``config.tokens_per_step``, then to 1 (pushes weigh by steps).
+        assignment: an explicit fragment cut, ``{name: fragment}`` or ``fn(name) -> fragment``
+            over the layout's canonical names (see :func:`diloco.plan.make_plan`); None = the
+            default cut. It is part of the layout fingerprint: every island must give the same.
+
+    A one-process island needs no ``init_process_group``: ``TorchLayout(model)`` makes a
+    private 1-rank gloo group when torch.distributed is not initialised.
     """
 
     def __init__(self, config: IslandConfig, layout: LayoutAdapter, *, group: dist.ProcessGroup | None = None,
-                 tokens_per_step: int | None = None) -> None:
+                 tokens_per_step: int | None = None, assignment: Assignment | None = None) -> None:
         self.cfg = config
         self.group = group if group is not None else layout.group
-        self.rank = dist.get_rank(self.group)
+        self.rank = group_rank(self.group)
         self.is_sync = self.rank == config.sync_rank
-        self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments)
+        self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments, assignment)
         self.fingerprint = layout_fingerprint(self.plan)
         self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
@@ -95,11 +102,16 @@ class Island:
         self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
         self._counters = _Counters()
         self._last_end = time.monotonic()
-        self._sent0 = self._recv0 = 0
+        self._ctrl0 = (0, 0)
+        self._wire_itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
 
     # ------------------------------------------------------------------ start-up
-    def start(self) -> None:
-        """Connect, stream INIT if asked, install the initial cut (collective)."""
+    def start(self) -> BoundaryRecord:
+        """Connect, stream INIT if asked, install the initial cut (collective).
+
+        Returns what start-up did (phase ``"start"``; also the step log's first record)."""
+        t0 = time.monotonic()
+        events: list[dict] = []
         need_init = False
         error: str | None = None
         if self.is_sync:
@@ -115,12 +127,13 @@ class Island:
                                   self.cfg.sync_rank)
         self._raise_if(orders)
         if orders.init:
-            self._stream_init()
+            self._stream_init(events)
+        apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
-            self._install_initial_cut(self.cfg.initial_cut_timeout_s)
-        self._last_end = time.monotonic()
+            apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
+        return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
 
-    def _stream_init(self) -> None:
+    def _stream_init(self, events: list[dict]) -> None:
         """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
         inflight: collections.deque = collections.deque()
         t0 = time.monotonic()
@@ -139,6 +152,8 @@ class Island:
             if self.is_sync:
                 assert self.client is not None and values is not None
                 inflight.append(self.client.send_init(f, values))
+                events.append({"type": "init", "fragment": f,
+                               "data_bytes": sum(t.numel() * t.element_size() for _, t in values)})
                 del values
                 sent += self.plan.nbytes(f)
                 log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
@@ -151,9 +166,11 @@ class Island:
         self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                         self.cfg.sync_rank))
 
-    def _install_initial_cut(self, timeout_s: float) -> None:
-        """Before the first step: install each cut fragment as it lands, collectively."""
+    def _install_initial_cut(self, timeout_s: float, events: list[dict]) -> float:
+        """Before the first step: install each cut fragment as it lands, collectively.
+        Returns the seconds spent applying."""
         deadline = time.monotonic() + timeout_s
+        apply_s = 0.0
         while True:
             orders = None
             if self.is_sync:
@@ -176,17 +193,20 @@ class Island:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
-            self._apply_all(orders, [])
+            apply_s += self._apply_all(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(v >= 0 for v in self.versions)
                 log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
                          timeout_s - max(0.0, deadline - time.monotonic()))
             if orders.stop:
-                return
+                return apply_s
 
     # ------------------------------------------------------------------ step boundary
-    def step_end(self, step: int, loss: float | None = None) -> None:
-        """The step boundary (every rank, right after ``optimizer.step()``)."""
+    def step_end(self, step: int, loss: float | None = None) -> BoundaryRecord:
+        """The step boundary (every rank, right after ``optimizer.step()``).
+
+        Returns what the boundary did: fragments pushed and applied, versions, seconds the
+        loop was blocked, payload bytes (the same values the step log records)."""
         t0 = time.monotonic()
         step_s = t0 - self._last_end
         self.step = step
@@ -210,7 +230,7 @@ class Island:
         events: list[dict] = []
         apply_s = self._apply_all(orders, events)
         export_s = self._push_all(orders, events)
-        self._end_boundary(step, t0, step_s, export_s, apply_s, wait_s, events, loss)
+        return self._end_boundary("train", step, t0, step_s, export_s, apply_s, wait_s, events, loss)
 
     def _collect(self) -> None:
         """Move what the client parked into the sync rank's pending tables."""
@@ -266,23 +286,26 @@ class Island:
         t0 = time.monotonic()
         for f, version, rnd, cut in orders.applies:
             values = None
+            data_bytes = 0
             if self.is_sync:
-                values = _fp32(self._pending.pop(f).tensors)
+                received = self._pending.pop(f).tensors
+                data_bytes = sum(t.numel() * t.element_size() for _, t in received)  # as it came, wire dtype
+                values = _fp32(received)
+                del received
             alpha = 0.0 if cut else self.cfg.alpha
-            nbytes = self.transfer.apply_fragment(f, values, alpha=alpha, refresh=False)
+            self.transfer.apply_fragment(f, values, alpha=alpha, refresh=False)
             del values
             self.versions[f] = version
             # A cut (round 0) resets the round floor: a resumed syncer re-runs later rounds.
             self.applied_round[f] = rnd if cut else max(self.applied_round[f], rnd)
             self.steps_since_apply[f] = 0
-            if self.is_sync:
-                if cut:
-                    events.append({"type": "cut", "fragment": f, "version": version, "bytes": nbytes})
-                else:
-                    self._counters.applies += 1
-                    pushed = self._pushed_at.pop((f, rnd), None)
-                    events.append({"type": "apply", "fragment": f, "version": version, "round": rnd,
-                                   "bytes": nbytes, "lag_steps": None if pushed is None else self.step - pushed})
+            if cut:
+                events.append({"type": "cut", "fragment": f, "version": version, "data_bytes": data_bytes})
+            else:
+                self._counters.applies += 1
+                pushed = self._pushed_at.pop((f, rnd), None)
+                events.append({"type": "apply", "fragment": f, "version": version, "round": rnd,
+                               "data_bytes": data_bytes, "lag_steps": None if pushed is None else self.step - pushed})
         if orders.applies:
             # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
             self.transfer.refresh(f for f, *_ in orders.applies)
@@ -292,32 +315,50 @@ class Island:
         t0 = time.monotonic()
         for f, rnd, attempt in orders.pushes:
             delta = self.transfer.export_fragment(f, delta=True)
+            self._counters.pushes += 1
+            steps = self.steps_since_apply[f]
+            data_bytes, dropped = 0, False
             if self.is_sync:
                 assert self.client is not None and delta is not None
-                steps = self.steps_since_apply[f]
                 pull = wire.Pull(fragment=f, round=rnd, attempt=attempt)
-                nbytes = sum(t.numel() * t.element_size() for _, t in delta)
                 if self.client.push(pull, self.versions[f], steps, steps * self.tokens_per_step, delta):
-                    self._counters.pushes += 1
                     self._pushed_at[(f, rnd)] = self.step
-                events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt,
-                               "base_version": self.versions[f], "bytes": nbytes, "local_steps": steps})
+                    # What the client will put on the wire: payload in the wire dtype.
+                    data_bytes = sum(t.numel() for _, t in delta) * self._wire_itemsize if steps else 0
+                else:
+                    dropped = True
+            events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt,
+                           "base_version": self.versions[f], "local_steps": steps, "data_bytes": data_bytes,
+                           "dropped": dropped})
         return time.monotonic() - t0
 
-    def _end_boundary(self, step: int, t0: float, step_s: float, export_s: float, apply_s: float, wait_s: float,
-                      events: list[dict], loss: float | None) -> None:
+    def _end_boundary(self, phase: str, step: int, t0: float, step_s: float, export_s: float, apply_s: float,
+                      wait_s: float, events: list[dict], loss: float | None) -> BoundaryRecord:
+        """Close a boundary: the record every rank returns, and the sync rank's step-log line."""
         end = time.monotonic()
         self._last_end = end
+        record = BoundaryRecord(
+            step=step, phase=phase,
+            pushed=tuple(e["fragment"] for e in events if e["type"] == "push"),
+            applied=tuple(e["fragment"] for e in events if e["type"] == "apply"),
+            installed=tuple(e["fragment"] for e in events if e["type"] == "cut")
+            + (tuple(range(self.plan.n_fragments)) if any(e["type"] == "final" for e in events) else ()),
+            versions=tuple(self.versions), blocked_s=end - t0,
+            data_bytes_sent=sum(e["data_bytes"] for e in events if e["type"] in ("push", "init")),
+            data_bytes_recv=sum(e["data_bytes"] for e in events if e["type"] in ("apply", "cut", "final")),
+            pushes=self._counters.pushes, applies=self._counters.applies)
         if self._steplog is None or self.client is None:
-            return
-        sent, recv = self.client.stats.bytes_sent, self.client.stats.bytes_recv
+            return record
+        st = self.client.stats
+        ctrl = (st.control_bytes_sent, st.control_bytes_recv)
         self._steplog.record(StepRecord(
-            step=step, time=time.time(), step_s=step_s, boundary_s=end - t0, export_s=export_s, apply_s=apply_s,
-            wait_s=wait_s, bytes_sent=sent - self._sent0, bytes_recv=recv - self._recv0,
-            pushes=self._counters.pushes, applies=self._counters.applies, versions=list(self.versions),
+            **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)},
+            time=time.time(), step_s=step_s, export_s=export_s, apply_s=apply_s, wait_s=wait_s,
+            control_bytes_sent=ctrl[0] - self._ctrl0[0], control_bytes_recv=ctrl[1] - self._ctrl0[1],
             round=self._counters.round, attempt=self._counters.attempt, events=events, loss=loss,
             island=self.cfg.island_id))
-        self._sent0, self._recv0 = sent, recv
+        self._ctrl0 = ctrl
+        return record
 
     # ------------------------------------------------------------------ finalization
     def finish(self) -> list[int]:
@@ -342,7 +383,7 @@ class Island:
                 apply_s += self._install_final(events)
                 acked = True
             if events:
-                self._end_boundary(self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
+                self._end_boundary("finish", self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
             if orders.stop:
                 break
         if self._steplog is not None:
@@ -381,9 +422,11 @@ class Island:
     def _install_final(self, events: list[dict]) -> float:
         t0 = time.monotonic()
         finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
+        data_bytes = 0
         for f in range(self.plan.n_fragments):
             values = None
             if finals is not None:
+                data_bytes += sum(t.numel() * t.element_size() for _, t in finals[f][1])
                 values = _fp32(finals[f][1])
             self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
         self.transfer.refresh(range(self.plan.n_fragments))
@@ -394,7 +437,8 @@ class Island:
         self.versions = [int(v) for v in vers]
         if self.is_sync and self.client is not None:
             self.client.send_final_ack(self.versions)
-            events.append({"type": "final", "versions": list(self.versions)})
+        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
+        if self.is_sync:
             log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
         return time.monotonic() - t0
 

@@ -31,8 +31,12 @@ EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="yeto-syncer", description="DiLoCo syncer: merges fragment deltas from islands.")
-    p.add_argument("--bind", default="tcp://0.0.0.0:5555", help="zmq endpoint to bind")
+    """The flag parser (every flag is documented in docs/SYNCER.md and the README)."""
+    p = argparse.ArgumentParser(
+        prog="yeto-syncer", description="DiLoCo syncer: merges fragment deltas from islands.",
+        epilog="exit codes: 0 finished, 1 finalization failed, 2 bad configuration, 130 interrupted")
+    p.add_argument("--bind", default="tcp://0.0.0.0:5555",
+                   help="zmq endpoint to bind (tcp://HOST:* or tcp://HOST:0 picks a free port; the log names it)")
     p.add_argument("--islands", type=int, required=True, help="number of islands (ids 0..N-1)")
     p.add_argument("--quorum", type=int, default=0, help="K pushes that may close a round after the grace window (default: all islands)")
     p.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two syncs of one fragment")
@@ -81,6 +85,7 @@ def _read_key(key_file: str | None) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``yeto-syncer``; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    # Tests and launchers read the real endpoint (``--bind tcp://127.0.0.1:0``) from here.
+    # Tests and launchers read the real endpoint from here when zmq picked the port
+    # (``--bind tcp://127.0.0.1:*``, or ``:0``: zmq accepts both).
     log.info("bound %s", loop.endpoint)
     return loop.run()
