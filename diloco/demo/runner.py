@@ -179,16 +179,18 @@ def _kill_group(p: _Proc) -> None:
         os.killpg(p.popen.pid, signal.SIGKILL)
 
 
-def run_names(settings: DemoSettings) -> list[str]:
+def run_names(settings: DemoSettings, with_islands: bool = True) -> list[str]:
     """Names of the runs, islands first: ``island0``.., then ``alone`` and ``dp-bound`` if asked."""
-    return ([f"island{i}" for i in range(settings.islands)] + ([ALONE] if settings.baseline else [])
-            + ([DP_BOUND] if settings.dp_bound else []))
+    return (([f"island{i}" for i in range(settings.islands)] if with_islands else [])
+            + ([ALONE] if settings.baseline else []) + ([DP_BOUND] if settings.dp_bound else []))
 
 
-def run_demo(settings: DemoSettings) -> dict[str, Any]:
+def run_demo(settings: DemoSettings, with_islands: bool = True) -> dict[str, Any]:
     """Validate, start every process, show progress, and return the summary (also written as JSON).
 
-    Raises DemoConfigError before starting anything if a flag is wrong or --out is taken.
+    ``with_islands=False`` runs only the baselines (no syncer): the quality benchmark trains
+    them apart from the islands, so that the islands run at equal speeds. Raises
+    DemoConfigError before starting anything if a flag is wrong or --out is taken.
     """
     settings.validate()
     out = prepare_out(settings)
@@ -212,25 +214,32 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     s = settings
     layouts = [s.layout_of(i) for i in range(s.islands)]
     extra = [n for n in (ALONE, DP_BOUND) if n in run_names(s)]
-    print(f"starting {s.islands} islands ({', '.join(layouts)})" + (f" and {' and '.join(extra)}" if extra else "")
-          + f": importing megatron-core takes a few seconds; logs in {out}", flush=True)
+    what = [f"{s.islands} islands ({', '.join(layouts)})"] if with_islands else []
+    print(f"starting {' and '.join(what + extra)}: importing megatron-core takes a few seconds; logs in {out}",
+          flush=True)
     t0 = time.time()
     ok = False
+    syncer: _Proc | None = None
     try:
-        syncer = spawn("syncer", [
-            sys.executable, "-m", "diloco.syncer", "--bind", addr, "--islands", str(s.islands),
-            "--sync-every", str(s.sync_every), "--total-steps", str(s.steps),
-            "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4", "--key-file", key_file,
-            "--event-log", os.path.join(out, "events.jsonl"), "--quorum-timeout-s", "120",
-            "--final-timeout-s", "300", "--outer-lr", str(s.outer_lr), "--outer-momentum", str(s.outer_momentum)])
         common = ["--steps", str(s.steps), "--fragments", str(s.fragments), "--out", out, "--hidden", str(s.hidden),
                   "--layers", str(s.layers), "--micro-batch", str(s.micro_batch), "--lr", str(s.lr),
                   "--timeout-s", str(s.timeout_s), "--device", s.device, "--ranks-per-node", str(s.ranks_per_node)]
         island = [sys.executable, "-m", "diloco.demo.island"]
-        for i, lay in enumerate(layouts):
-            spawn(f"island{i}", [*island, "--name", f"island{i}", "--island-id", str(i), "--layout", lay,
-                                 "--sync-addr", addr, "--data-seed", str(i), "--start-together", str(s.islands),
-                                 *common])
+        if with_islands:
+            syncer = spawn("syncer", [
+                sys.executable, "-m", "diloco.syncer", "--bind", addr, "--islands", str(s.islands),
+                "--sync-every", str(s.sync_every), "--total-steps", str(s.steps),
+                "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4", "--key-file", key_file,
+                "--event-log", os.path.join(out, "events.jsonl"), "--quorum-timeout-s", "120",
+                "--final-timeout-s", "300", "--outer-lr", str(s.outer_lr),
+                "--outer-momentum", str(s.outer_momentum)])
+            for i, lay in enumerate(layouts):
+                spawn(f"island{i}", [*island, "--name", f"island{i}", "--island-id", str(i), "--layout", lay,
+                                     "--sync-addr", addr, "--data-seed", str(i), "--start-together",
+                                     str(s.islands), *common])
+            log.info("syncer at %s, %d islands (%s), %d steps, H=%d, %d fragments, outer lr %g momentum %g",
+                     addr, s.islands, ",".join(layouts), s.steps, s.sync_every, s.fragments, s.outer_lr,
+                     s.outer_momentum)
         # The baselines use island 0's layout and seed: island 0's initial weights are the
         # syncer's initial cut, so every run starts from the same model.
         if s.baseline:
@@ -238,9 +247,6 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         if s.dp_bound:
             spawn(DP_BOUND, [*island, "--name", DP_BOUND, "--layout", layouts[0], "--data-seed", "0",
                              "--batch-streams", str(s.islands), *common])
-        log.info("syncer at %s, %d islands (%s), %d steps, H=%d, %d fragments, outer lr %g momentum %g",
-                 addr, s.islands, ",".join(layouts), s.steps, s.sync_every, s.fragments, s.outer_lr,
-                 s.outer_momentum)
         ok = _watch(procs, syncer, out, s, t0)
     finally:
         # Failure, timeout, Ctrl-C or success: no process (or forked rank) outlives the demo.
@@ -250,7 +256,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=30)
             p.log.close()
-    summary = summarize_run(out, s, time.time() - t0, ok)
+    summary = summarize_run(out, s, time.time() - t0, ok, with_islands)
     with open(s.summary_path, "w") as fh:
         json.dump(summary, fh, indent=1)
     return summary
@@ -276,7 +282,7 @@ def _rounds(out: str) -> int:
         return 0
 
 
-def _watch(procs: list[_Proc], syncer: _Proc, out: str, s: DemoSettings, t0: float) -> bool:
+def _watch(procs: list[_Proc], syncer: _Proc | None, out: str, s: DemoSettings, t0: float) -> bool:
     """Show progress until every process ended; False on a failure or the timeout (the caller kills)."""
     last_print = 0.0
     while True:
@@ -306,11 +312,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not b else round(a / b, 4)
 
 
-def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool) -> dict[str, Any]:
+def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool, with_islands: bool = True) -> dict[str, Any]:
     """The summary JSON: per-run losses, the merged model vs the baselines, sync figures."""
-    names = [n for n in run_names(s) if n.startswith("island")]
+    names = [n for n in run_names(s, with_islands) if n.startswith("island")]
     runs: dict[str, dict[str, Any] | None] = {}
-    for n in run_names(s):
+    for n in run_names(s, with_islands):
         try:
             with open(os.path.join(out, f"{n}.json")) as fh:
                 r = json.load(fh)
@@ -327,7 +333,7 @@ def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool) -> dict[str,
             sync_share[n] = st.sync_share
     digests = [r["digest"] if (r := runs.get(n)) else None for n in names]
     evals = [r["eval_loss"] for n in names if (r := runs.get(n))]
-    merged = sum(evals) / len(evals) if ok and len(evals) == len(names) else None
+    merged = sum(evals) / len(evals) if ok and names and len(evals) == len(names) else None
     alone = (runs.get(ALONE) or {}).get("eval_loss")
     dp = (runs.get(DP_BOUND) or {}).get("eval_loss")
     summary: dict[str, Any] = {
@@ -347,7 +353,7 @@ def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool) -> dict[str,
         "bytes_moved": moved,
         "sync_share": sync_share,
         "islands": runs,
-        "digests_equal": ok and None not in digests and len(set(digests)) == 1,
+        "digests_equal": ok and bool(names) and None not in digests and len(set(digests)) == 1,
         "merged_eval_loss": merged,
         "eval_loss_spread": (max(evals) - min(evals)) if merged is not None else None,
         "alone_eval_loss": alone,
