@@ -163,6 +163,20 @@ class _Scratch:
         self.absmax = torch.empty(chunk // MIN_BLOCK, dtype=torch.float32, device=device)
 
 
+def _output(
+    given: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device, name: str
+) -> torch.Tensor:
+    """``given`` checked against the expected size/dtype/device, or a new tensor."""
+    if given is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if given.dtype != dtype or given.shape != (numel,) or given.device != device or not given.is_contiguous():
+        raise QuantError(
+            f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, "
+            f"got {given.dtype} of shape {tuple(given.shape)} on {given.device}"
+        )
+    return given
+
+
 def _quantize_blocks(
     x: torch.Tensor,
     kind: Kind,
@@ -204,30 +218,44 @@ def _quantize_blocks(
     codes.copy_(t)  # exact values in [0, 255]
 
 
-def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    kind: str,
+    block: int = DEFAULT_BLOCK,
+    *,
+    codes_out: torch.Tensor | None = None,
+    scales_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat fp32 range into ``(codes, scales)`` per the module's format.
 
     Args:
-        x: 1-D contiguous fp32 tensor (CPU or CUDA), finite; element 0 must be a
-            block boundary of the fragment stream (any part start is).
+        x: 1-D contiguous fp32 tensor (CPU or CUDA), finite, ``|x| <= 2^127``;
+            element 0 must be a block boundary of the fragment stream (any
+            part start is).
         kind: ``"int8"`` or ``"q4"``.
         block: elements per scale (power of two in [8, 4096]).
+        codes_out, scales_out: optional preallocated outputs on ``x``'s device
+            (uint8 of ``code_nbytes(kind, n)``, bf16 of ``ceil(n / block)``),
+            e.g. buffers reused part after part: a fresh CPU allocation is
+            page-faulted in on first write, which costs as much as the
+            quantization itself on one core.
 
     Returns:
         ``codes`` (uint8, ``code_nbytes(kind, n)``) and ``scales`` (bfloat16,
         ``ceil(n / block)``), on ``x``'s device.
 
     Raises:
-        QuantError: bad arguments, or a non-finite value in ``x`` (it would
-            poison its block's scale; the syncer would refuse the push anyway).
+        QuantError: bad arguments, or a non-finite or too large value in ``x``
+            (it would poison its block's scale; the syncer would refuse the
+            push anyway).
     """
     kind_ = check_kind(kind)
     check_block(block)
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
         raise QuantError(f"quantize wants a contiguous 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
     n = x.numel()
-    codes = torch.empty(code_nbytes(kind_, n), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n_scales(n, block), dtype=torch.bfloat16, device=x.device)
+    codes = _output(codes_out, code_nbytes(kind_, n), torch.uint8, x.device, "codes_out")
+    scales = _output(scales_out, n_scales(n, block), torch.bfloat16, x.device, "scales_out")
     if n == 0:
         return codes, scales
     chunk = _chunk_elems(x.device, block)
@@ -398,7 +426,14 @@ class ErrorFeedback:
         self._residual: dict[int, torch.Tensor] = {}
 
     def encode(
-        self, fragment: int, delta: torch.Tensor, offset: int = 0, fragment_numel: int | None = None
+        self,
+        fragment: int,
+        delta: torch.Tensor,
+        offset: int = 0,
+        fragment_numel: int | None = None,
+        *,
+        codes_out: torch.Tensor | None = None,
+        scales_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``delta + residual`` for elements ``[offset, offset + n)`` of a fragment's stream.
 
@@ -410,6 +445,7 @@ class ErrorFeedback:
                 multiple of the block size (part starts are).
             fragment_numel: elements in the whole fragment (default
                 ``offset + n``); fixes the residual's size at first use.
+            codes_out, scales_out: optional reused outputs (see :func:`quantize`).
 
         Returns:
             ``(codes, scales)`` as :func:`quantize` returns them.
@@ -428,7 +464,7 @@ class ErrorFeedback:
             self._residual[fragment] = res
         r = res[offset : offset + n]
         r.add_(delta)  # r now holds v = delta + residual
-        codes, scales = quantize(r, self.kind, self.block)
+        codes, scales = quantize(r, self.kind, self.block, codes_out=codes_out, scales_out=scales_out)
         dequantize_fold(codes, scales, self.kind, self.block, r, -1.0)  # r = v - deq(v), exactly
         return codes, scales
 

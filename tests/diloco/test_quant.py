@@ -134,6 +134,20 @@ def test_parts_quantize_like_the_whole_fragment(kind: str) -> None:
         assert torch.equal(ps.view(torch.int16), scales[lo // block : hi // block + 1][: ps.numel()].view(torch.int16))
 
 
+def test_reused_outputs() -> None:
+    x = torch.from_numpy(flat_fragment(9))
+    codes, scales = quant.quantize(x, "q4", 64)
+    c_out = torch.full_like(codes, 0xAA)
+    s_out = torch.full_like(scales, 5.0)
+    c2, s2 = quant.quantize(x, "q4", 64, codes_out=c_out, scales_out=s_out)
+    assert c2 is c_out and s2 is s_out
+    assert torch.equal(c_out, codes) and torch.equal(s_out.view(torch.int16), scales.view(torch.int16))
+    with pytest.raises(QuantError, match="codes_out"):
+        quant.quantize(x, "q4", 64, codes_out=c_out[1:])
+    with pytest.raises(QuantError, match="scales_out"):
+        quant.quantize(x, "q4", 64, scales_out=s_out.float())
+
+
 def test_q4_nibble_order_and_padding() -> None:
     x = torch.tensor([7.0, -7.0, 0.0], dtype=torch.float32)  # absmax 7 -> scale 1
     codes, scales = quant.quantize(x, "q4", 8)
