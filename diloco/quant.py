@@ -161,6 +161,7 @@ class _Scratch:
         self.u8 = torch.empty(chunk, dtype=torch.uint8, device=device)
         self.i16 = torch.empty(chunk // 2, dtype=torch.int16, device=device)
         self.absmax = torch.empty(chunk // MIN_BLOCK, dtype=torch.float32, device=device)
+        self.absmin = torch.empty(chunk // MIN_BLOCK, dtype=torch.float32, device=device)
 
 
 def _output(
@@ -192,8 +193,13 @@ def _quantize_blocks(
     work = sc.f32[:n]
     wb = work.view(nb, block)
     amax = sc.absmax[:nb]
-    torch.abs(xb, out=wb)
-    torch.amax(wb, dim=1, out=amax)
+    # max(-min, max): two reductions that only read (the first brings the chunk
+    # into cache), cheaper than writing |x| and reducing that.
+    amin = sc.absmin[:nb]
+    torch.amax(xb, dim=1, out=amax)
+    torch.amin(xb, dim=1, out=amin)
+    torch.maximum(amax, amin.neg_(), out=amax)
+    amax.add_(0.0)  # an all-zero block may give -0.0; -0 + 0 = +0 keeps its scale's sign bit clear
     scale16 = _ceil_to_bf16(amax.div_(float(QMAX[kind])))
     scales.copy_(scale16)
     # A zero scale means an all-zero (or all sub-2^-149 * qmax) block whose codes

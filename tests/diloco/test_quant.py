@@ -100,7 +100,7 @@ def test_quantize_matches_reference_bitwise(kind: str, block: int) -> None:
 def test_blocks_whose_scale_underflows_to_zero(kind: str) -> None:
     """absmax / qmax rounds to fp32 zero: scale 0, every q is 0 (the residual keeps the values)."""
     tiny = np.array([1.4e-45, -1.4e-45, 0.0, -0.0, 2.8e-45, 0.0, 0.0, 1.4e-45], np.float32)
-    x = np.concatenate([tiny, np.zeros(8, np.float32), np.ones(3, np.float32)])
+    x = np.concatenate([tiny, np.full(8, -0.0, np.float32), np.ones(3, np.float32)])
     codes, scales = quant.quantize(torch.from_numpy(x.copy()), kind, 8)
     rc, rs, q = ref_quantize(x, kind, 8)
     c, s = torch_bits(codes, scales)
