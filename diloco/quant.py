@@ -468,10 +468,25 @@ class ErrorFeedback:
                 log.warning("fragment %d: residual of %d elements dropped (now %d)", fragment, res.numel(), total)
             res = torch.zeros(total, dtype=torch.float32, device=delta.device)
             self._residual[fragment] = res
-        r = res[offset : offset + n]
-        r.add_(delta)  # r now holds v = delta + residual
-        codes, scales = quantize(r, self.kind, self.block, codes_out=codes_out, scales_out=scales_out)
-        dequantize_fold(codes, scales, self.kind, self.block, r, -1.0)  # r = v - deq(v), exactly
+        codes = _output(codes_out, code_nbytes(self.kind, n), torch.uint8, delta.device, "codes_out")
+        scales = _output(scales_out, n_scales(n, self.block), torch.bfloat16, delta.device, "scales_out")
+        per_byte = 1 if self.kind == "int8" else 2
+        # Chunk by chunk (block-aligned, so the bytes equal one quantize of the
+        # range): add, quantize and fold back run while the chunk is in cache.
+        step = _chunk_elems(delta.device, self.block)
+        try:
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                r = res[offset + lo : offset + hi]
+                r.add_(delta[lo:hi])  # r now holds v = delta + residual
+                c = codes[lo // per_byte : -(-hi // per_byte)]
+                sc = scales[lo // self.block : -(-hi // self.block)]
+                quantize(r, self.kind, self.block, codes_out=c, scales_out=sc)
+                dequantize_fold(c, sc, self.kind, self.block, r, -1.0)  # r = v - deq(v), exactly
+        except QuantError:
+            # The residual holds a half-updated sum now; dropping it is the only sound state.
+            self.reset(fragment)
+            raise
         return codes, scales
 
     def residual(self, fragment: int) -> torch.Tensor | None:

@@ -17,6 +17,13 @@ from diloco.quant import ErrorFeedback, QuantError
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(params=["big_chunks", "small_chunks"])
+def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a test with the default cache chunk and with a tiny one (many chunks per range)."""
+    if request.param == "small_chunks":
+        monkeypatch.setattr(quant, "_CPU_CHUNK", 256)
+
 QMAX = {"int8": 127, "q4": 7}
 
 
@@ -82,7 +89,7 @@ def torch_bits(codes: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray, n
 
 @pytest.mark.parametrize("kind", ["int8", "q4"])
 @pytest.mark.parametrize("block", [8, 64, 128, 256, 4096])
-def test_quantize_matches_reference_bitwise(kind: str, block: int) -> None:
+def test_quantize_matches_reference_bitwise(kind: str, block: int, chunking: None) -> None:
     x = flat_fragment(block)
     for n in (x.size, x.size - 1, 1, 2, 3, block - 1, block, block + 1, 3 * block + 5):
         xs = np.ascontiguousarray(x[-n:])  # ends with the extreme values, short last block
@@ -158,7 +165,7 @@ def test_q4_nibble_order_and_padding() -> None:
 
 @pytest.mark.parametrize("kind", ["int8", "q4"])
 @pytest.mark.parametrize("weight", [1.0, -1.0, 3.0, 700001.0, 0.37])
-def test_fold_matches_reference_bitwise(kind: str, weight: float) -> None:
+def test_fold_matches_reference_bitwise(kind: str, weight: float, chunking: None) -> None:
     block = 64
     x = flat_fragment(3)
     n = x.size
@@ -174,7 +181,7 @@ def test_fold_matches_reference_bitwise(kind: str, weight: float) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "q4"])
-def test_error_feedback_sum_of_pushes_tracks_sum_of_deltas(kind: str) -> None:
+def test_error_feedback_sum_of_pushes_tracks_sum_of_deltas(kind: str, chunking: None) -> None:
     rng = np.random.default_rng(5)
     block, n, rounds = 64, 3 * 4096 + 77, 200
     ef = ErrorFeedback(kind, block)
@@ -202,7 +209,7 @@ def test_error_feedback_sum_of_pushes_tracks_sum_of_deltas(kind: str) -> None:
     assert ef.residual(0) is None
 
 
-def test_error_feedback_parts_equal_whole() -> None:
+def test_error_feedback_parts_equal_whole(chunking: None) -> None:
     """Encoding part by part (offsets) keeps the same residual as encoding the fragment at once."""
     rng = np.random.default_rng(6)
     n = 3 * 4096 + 5
@@ -255,6 +262,11 @@ def test_refusals() -> None:
     c[-1] |= 0x30
     with pytest.raises(QuantError, match="padding"):
         quant.dequantize(c, scales, "q4", 64, 129)
+    ef = ErrorFeedback("q4", 64)
+    ef.encode(3, torch.ones(100))
+    with pytest.raises(QuantError, match="non-finite"):
+        ef.encode(3, torch.full((100,), float("nan")))
+    assert ef.residual(3) is None  # a half-updated residual is dropped, not kept
     with pytest.raises(QuantError, match="offset"):
         ErrorFeedback("q4", 64).encode(0, torch.ones(10), offset=10, fragment_numel=100)
 
