@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Literal
 
@@ -178,6 +179,26 @@ def _output(
     return given
 
 
+_tls = threading.local()
+
+
+def _scratch(chunk: int, device: torch.device) -> _Scratch:
+    """Scratch for ``chunk`` elements: on CPU one cached set per thread, on CUDA a new one.
+
+    A fresh CPU buffer of a few MiB is an mmap whose pages fault in on first
+    write; per call (and ErrorFeedback calls per chunk) that cost as much as
+    the quantization. CUDA's caching allocator already reuses freed blocks,
+    and caching there would pin ~100 MiB of device memory for good.
+    """
+    if device.type != "cpu":
+        return _Scratch(chunk, device)
+    cached: _Scratch | None = getattr(_tls, "scratch", None)
+    if cached is None or cached.f32.numel() < chunk:
+        cached = _Scratch(max(chunk, min(_CPU_CHUNK, 1 << 16)), device)
+        _tls.scratch = cached
+    return cached
+
+
 def _quantize_blocks(
     x: torch.Tensor,
     kind: Kind,
@@ -185,8 +206,14 @@ def _quantize_blocks(
     codes: torch.Tensor,
     scales: torch.Tensor,
     sc: _Scratch,
+    feedback: bool,
 ) -> None:
-    """Quantize ``x`` (whole blocks only, ``x.numel() % block == 0``) into ``codes``/``scales``."""
+    """Quantize ``x`` (whole blocks only, ``x.numel() % block == 0``) into ``codes``/``scales``.
+
+    With ``feedback``, ``x`` is then overwritten with ``x - x'`` (the residual):
+    ``q`` is at hand in the scratch right after rounding, so the residual
+    costs two passes instead of a full decode.
+    """
     n = x.numel()
     nb = n // block
     xb = x.view(nb, block)
@@ -207,17 +234,20 @@ def _quantize_blocks(
     divisor = scale16.float().masked_fill_(scale16 == 0, 1.0).unsqueeze(1)
     torch.div(xb, divisor, out=wb)
     work.round_()  # half to even on CPU and CUDA (nearbyint)
+    # q: exact integers in [-qmax, qmax], so the conversion to int8 is exact
+    # (and fp32 -> int8 is vectorised on CPU, fp32 -> uint8 is not).
+    q8 = codes.view(torch.int8) if kind == "int8" else sc.u8[:n].view(torch.int8)
+    q8.copy_(work)
+    if feedback:
+        wb.mul_(divisor)  # x' = q * s: exact (a zero block has q = 0, so the 1 is harmless)
+        # The residual x - x', one rounding. Only the sign of a zero may differ
+        # from x + (x' * -1) (round keeps -0.0); a zero's sign never changes a code.
+        x.sub_(work)
     if kind == "int8":
-        # Exact integers in [-127, 127]: the conversion is exact; viewed back as bytes.
-        codes.view(torch.int8).copy_(work)
         return
-    work.add_(float(Q4_OFFSET))
-    c8 = sc.u8[:n]
-    # Exact integers in [1, 15]; through int8 because torch's fp32 -> uint8
-    # conversion is not vectorised on CPU (8x slower than fp32 -> int8).
-    c8.view(torch.int8).copy_(work)
+    q8.add_(Q4_OFFSET)  # codes c = q + 8 in [1, 15], in int8 (a quarter of an fp32 pass)
     # Pairs as little-endian int16: w = c0 + 256*c1, and w - 15*(w >> 4) = c0 + 16*c1.
-    w = c8.view(torch.int16)
+    w = q8.view(torch.int16)
     t = sc.i16[: n // 2]
     torch.bitwise_right_shift(w, 4, out=t)
     torch.add(w, t, alpha=-15, out=t)
@@ -262,33 +292,49 @@ def quantize(
     n = x.numel()
     codes = _output(codes_out, code_nbytes(kind_, n), torch.uint8, x.device, "codes_out")
     scales = _output(scales_out, n_scales(n, block), torch.bfloat16, x.device, "scales_out")
+    _encode(x, kind_, block, codes, scales, feedback=False)
+    return codes, scales
+
+
+def _encode(
+    x: torch.Tensor, kind: Kind, block: int, codes: torch.Tensor, scales: torch.Tensor, feedback: bool
+) -> None:
+    """The quantization loop of :func:`quantize`; with ``feedback`` it leaves the residual in ``x``."""
+    n = x.numel()
     if n == 0:
-        return codes, scales
+        return
     chunk = _chunk_elems(x.device, block)
-    sc = _Scratch(min(chunk, -(-n // block) * block), x.device)
-    per_byte = 1 if kind_ == "int8" else 2
+    sc = _scratch(min(chunk, -(-n // block) * block), x.device)
+    per_byte = 1 if kind == "int8" else 2
     full = (n // block) * block
     for lo in range(0, full, chunk):
         hi = min(full, lo + chunk)
         _quantize_blocks(
-            x[lo:hi], kind_, block, codes[lo // per_byte : hi // per_byte], scales[lo // block : hi // block], sc
+            x[lo:hi],
+            kind,
+            block,
+            codes[lo // per_byte : hi // per_byte],
+            scales[lo // block : hi // block],
+            sc,
+            feedback,
         )
     if full < n:
         # The short last block: zero padding leaves its absmax unchanged and its
         # padded codes are dropped (q4: the odd element's partner nibble is set to 0).
         tail = torch.zeros(block, dtype=torch.float32, device=x.device)
         tail[: n - full].copy_(x[full:])
-        tcodes = torch.empty(code_nbytes(kind_, block), dtype=torch.uint8, device=x.device)
-        _quantize_blocks(tail, kind_, block, tcodes, scales[full // block :], sc)
+        tcodes = torch.empty(code_nbytes(kind, block), dtype=torch.uint8, device=x.device)
+        _quantize_blocks(tail, kind, block, tcodes, scales[full // block :], sc, feedback)
         codes[full // per_byte :].copy_(tcodes[: codes.numel() - full // per_byte])
-        if kind_ == "q4" and n % 2:
+        if kind == "q4" and n % 2:
             codes[-1:].bitwise_and_(0x0F)
-    # One host sync per call, not per chunk. NaN fails both comparisons' negation.
-    if not bool((scales <= max_scale(kind_)).all()):
+        if feedback:
+            x[full:].copy_(tail[: n - full])
+    # One host sync per call, not per chunk. NaN fails the comparison.
+    if not bool((scales <= max_scale(kind)).all()):
         if not bool(torch.isfinite(scales).all()):
             raise QuantError("non-finite value in a low-bit push (NaN or inf in the delta)")
         raise QuantError("a value in a low-bit push exceeds 2^127 in magnitude (its block would overflow)")
-    return codes, scales
 
 
 def check_payload(codes: torch.Tensor, scales: torch.Tensor, kind: str, block: int, n: int) -> None:
@@ -351,7 +397,7 @@ def _blocks_of(
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(lo, hi, fp32 view of x'[lo:hi])`` chunk by chunk (the tail block zero-padded, then cut)."""
     chunk = _chunk_elems(device, block)
-    sc = _Scratch(min(chunk, -(-n // block) * block), device)
+    sc = _scratch(min(chunk, -(-n // block) * block), device)
     per_byte = 1 if kind == "int8" else 2
     full = (n // block) * block
     for lo in range(0, full, chunk):
@@ -472,7 +518,7 @@ class ErrorFeedback:
         scales = _output(scales_out, n_scales(n, self.block), torch.bfloat16, delta.device, "scales_out")
         per_byte = 1 if self.kind == "int8" else 2
         # Chunk by chunk (block-aligned, so the bytes equal one quantize of the
-        # range): add, quantize and fold back run while the chunk is in cache.
+        # range): add, quantize and residual run while the chunk is in cache.
         step = _chunk_elems(delta.device, self.block)
         try:
             for lo in range(0, n, step):
@@ -481,8 +527,7 @@ class ErrorFeedback:
                 r.add_(delta[lo:hi])  # r now holds v = delta + residual
                 c = codes[lo // per_byte : -(-hi // per_byte)]
                 sc = scales[lo // self.block : -(-hi // self.block)]
-                quantize(r, self.kind, self.block, codes_out=c, scales_out=sc)
-                dequantize_fold(c, sc, self.kind, self.block, r, -1.0)  # r = v - deq(v), exactly
+                _encode(r, self.kind, self.block, c, sc, feedback=True)  # r = v - x'(v)
         except QuantError:
             # The residual holds a half-updated sum now; dropping it is the only sound state.
             self.reset(fragment)

@@ -209,6 +209,30 @@ def test_error_feedback_sum_of_pushes_tracks_sum_of_deltas(kind: str, chunking: 
     assert ef.residual(0) is None
 
 
+@pytest.mark.parametrize("kind", ["int8", "q4"])
+def test_error_feedback_matches_reference_bitwise(kind: str, chunking: None) -> None:
+    """Codes of Q(delta + r) and the new residual (delta + r) - x', against numpy, round after round."""
+    block = 64
+    x = flat_fragment(11)
+    x[x.size // 2] = -0.0
+    n = x.size
+    rng = np.random.default_rng(12)
+    ef = ErrorFeedback(kind, block)
+    r = np.zeros(n, np.float32)
+    for _ in range(4):
+        delta = (x * rng.uniform(0.2, 0.5, n).astype(np.float32)).astype(np.float32)  # v stays <= 2^127
+        codes, scales = ef.encode(1, torch.from_numpy(delta.copy()))
+        v = delta + r
+        rc, rs, q = ref_quantize(v, kind, block)
+        c, s = torch_bits(codes, scales)
+        assert np.array_equal(c, rc) and np.array_equal(s, rs)
+        r = v - ref_dequantize(q, rs, block)
+        got = ef.residual(1)
+        assert got is not None
+        # + 0.0 maps -0.0 to +0.0: the sign of a zero residual is unspecified (it never changes a code)
+        assert np.array_equal((got.numpy() + np.float32(0)).view(np.uint32), (r + np.float32(0)).view(np.uint32))
+
+
 def test_error_feedback_parts_equal_whole(chunking: None) -> None:
     """Encoding part by part (offsets) keeps the same residual as encoding the fragment at once."""
     rng = np.random.default_rng(6)
