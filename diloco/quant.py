@@ -28,7 +28,8 @@ that is not 0. Per block ``j`` (elements ``[jB, min(n, (j+1)B))``)::
 
 Rounding the scale *up* guarantees ``|x_i / s_j| <= qmax`` (up to one fp32
 rounding, which ``round_half_even`` absorbs), so no clamp exists in the
-format and the per-element error is at most ``s_j / 2``. Every scale must be
+format and the per-element error is at most ``s_j / 2`` (in a block with
+``s_j = 0`` it is ``|x_i| < 2^-142``, which error feedback carries on). Every scale must be
 finite and at most ``S_max = smallest bf16 >= fp32(2^127 / qmax)`` (``int8``:
 ``1.3500e36``, bits 0x7B82; ``q4``: ``2.4425e37``, bits 0x7D93), so that
 ``qmax * s_j`` cannot overflow fp32: any finite input with ``|x| <= 2^127``
