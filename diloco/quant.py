@@ -157,7 +157,7 @@ def _ceil_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Scratch:
-    """Per-call buffers for one chunk: fp32 work, uint8 codes, int16 pack/unpack scratch."""
+    """Buffers for one chunk: fp32 work, uint8 codes, int16 pack/unpack, per-block max/min."""
 
     def __init__(self, chunk: int, device: torch.device) -> None:
         self.f32 = torch.empty(chunk, dtype=torch.float32, device=device)
@@ -470,6 +470,13 @@ class ErrorFeedback:
     installs a value it did not derive from its own pushes, so the old
     residual no longer refers to anything).
 
+    A push the syncer does not merge (its attempt is superseded, or it has
+    weight 0) still updated the residual as if it had arrived. The damage is
+    bounded: the next push is off by ``r_new - r_old``, under one step per
+    element, like one push without feedback (exactly: ``v - x'`` is exact in
+    fp32, Sterbenz, so nothing else is lost). An island with no local step
+    since its last apply can push zeros without calling :meth:`encode`.
+
     Args:
         kind: ``"int8"`` or ``"q4"``.
         block: elements per scale (see :func:`check_block`).
@@ -505,6 +512,8 @@ class ErrorFeedback:
         Returns:
             ``(codes, scales)`` as :func:`quantize` returns them.
         """
+        if delta.dtype != torch.float32 or delta.dim() != 1:
+            raise QuantError(f"a delta range must be 1-D fp32, got {delta.dtype} of shape {tuple(delta.shape)}")
         if offset % self.block:
             raise QuantError(f"offset {offset} is not a multiple of the block size {self.block}")
         n = delta.numel()
@@ -531,7 +540,7 @@ class ErrorFeedback:
                 c = codes[lo // per_byte : -(-hi // per_byte)]
                 sc = scales[lo // self.block : -(-hi // self.block)]
                 _encode(r, self.kind, self.block, c, sc, feedback=True)  # r = v - x'(v)
-        except QuantError:
+        except BaseException:
             # The residual holds a half-updated sum now; dropping it is the only sound state.
             self.reset(fragment)
             raise
