@@ -226,7 +226,10 @@ def test_error_feedback_matches_reference_bitwise(kind: str, chunking: None) -> 
         rc, rs, q = ref_quantize(v, kind, block)
         c, s = torch_bits(codes, scales)
         assert np.array_equal(c, rc) and np.array_equal(s, rs)
-        r = v - ref_dequantize(q, rs, block)
+        deq = ref_dequantize(q, rs, block)
+        r = v - deq
+        # v - x' is exact (Sterbenz for |q| >= 1, trivial for q = 0): nothing is lost but the residual.
+        assert np.array_equal(r.astype(np.float64) + deq.astype(np.float64), v.astype(np.float64))
         got = ef.residual(1)
         assert got is not None
         # + 0.0 maps -0.0 to +0.0: the sign of a zero residual is unspecified (it never changes a code)
