@@ -384,8 +384,10 @@ class SyncClient:
                 out.stream = self._make_stream(out)
                 pacer.add(b"", out.stream)
                 keep.append(out)
-            elif out.sent is not None:
-                out.sent.set()
+            else:
+                out.stream, out.tensors = None, []
+                if out.sent is not None:
+                    out.sent.set()
         self._streams = keep
         return pacer
 
@@ -452,6 +454,9 @@ class SyncClient:
             self._count_sent(out.stream.data_bytes - d0, out.stream.control_bytes - c0)
             if out.stream.done.is_set():
                 self.stats.messages_sent += out.stream.n_parts
+                # Break the out <-> stream cycle now, so the tensors die by refcount (the caller
+                # bounds memory by waiting on ``sent``), not at the next garbage collection.
+                out.stream, out.tensors = None, []
                 if out.sent is not None:
                     out.sent.set()
             else:
