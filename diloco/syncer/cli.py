@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of fp32 per part: fragments travel as parts of this size (multiple of 1/64 MiB, <= 128)")
     p.add_argument("--max-fragment-gib", type=float, default=32.0,
                    help="largest fragment (GiB of fp32) accepted; a bigger plan is refused at HELLO with the fix")
+    p.add_argument("--stream-window", type=int, default=2,
+                   help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
+        if args.stream_window < 1:
+            raise ConfigError(f"--stream-window: must be >= 1, got {args.stream_window}")
         if args.resume and not args.checkpoint_dir:
             raise ConfigError("--resume: needs --checkpoint-dir")
         if not args.status_every_s > 0:
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
-                          data_threads=args.data_threads)
+                          data_threads=args.data_threads, window=args.stream_window)
     try:
         loop = SyncerLoop(state, options, store)
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
