@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from diloco.keys import read_key_file
 
-WIRE_DTYPE_NAMES = ("float32", "bfloat16")
+WIRE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "q4")
 
 
 class ConfigError(ValueError):
@@ -54,7 +54,12 @@ class IslandConfig:
 
     wire_dtype: str = "float32"
     """``YETO_WIRE_DTYPE``: ``float32`` or ``bfloat16`` for pushes and broadcasts (bf16 halves
-    the bytes on slow links; the syncer always accumulates in fp32)."""
+    the bytes on slow links; the syncer always accumulates in fp32), or ``int8`` / ``q4``:
+    block-quantized pushes with error feedback (~1/4 and ~1/7.5 of fp32), broadcasts in bf16."""
+
+    quant_block: int = 64
+    """``YETO_QUANT_BLOCK``: elements per bf16 scale of ``int8`` / ``q4`` pushes, a power of two
+    in [8, 4096]; must equal the syncer's ``--quant-block``."""
 
     initial_cut_timeout_s: float = 300.0
     """``YETO_DILOCO_INITIAL_CUT_TIMEOUT``: seconds to wait before the first step for the
@@ -121,6 +126,8 @@ class IslandConfig:
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "must be > 0")
         _check(self.final_timeout_s > 0, "final_timeout_s", self.final_timeout_s, "must be > 0")
         _check(self.send_queue >= 2, "send_queue", self.send_queue, "must be >= 2")
+        _check(self.quant_block in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), "quant_block",
+               self.quant_block, "must be a power of two in [8, 4096]")
         _check(self.ranks_per_node is None or self.ranks_per_node >= 1, "ranks_per_node",
                self.ranks_per_node, "must be >= 1")
         _check(self.sync_rank >= 0, "sync_rank", self.sync_rank, "must be >= 0")
@@ -181,6 +188,7 @@ _ENV_OF: dict[str, str] = {
     "connect_timeout_s": "YETO_CONNECT_TIMEOUT_S",
     "final_timeout_s": "YETO_FINAL_TIMEOUT_S",
     "send_queue": "YETO_SEND_QUEUE",
+    "quant_block": "YETO_QUANT_BLOCK",
     "cross_node_gloo": "YETO_CROSS_NODE_GLOO",
     "ranks_per_node": "YETO_RANKS_PER_NODE",
     "sync_rank": "YETO_SYNC_RANK",
@@ -225,7 +233,7 @@ _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
-    "send_queue": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
+    "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
 }
 _KIND_WORDS = {"int": "int", "int?": "int or None", "float": "a finite number", "bool": "bool",
                "bytes": "bytes (or str)", "str?": "str or None", "str": "str"}
@@ -297,7 +305,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 _PARSERS = {
     "fragments": _int_of, "alpha": _float_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
-    "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of,
+    "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,
 }
 """How each optional field is parsed from its (set, non-empty) variable."""

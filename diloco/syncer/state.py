@@ -42,7 +42,9 @@ from diloco.syncer.records import (
 )
 from diloco.wire import (
     PROTOCOL_VERSION,
-    WIRE_DTYPES,
+    PUSH_DTYPES,
+    QUANT_KINDS,
+    bcast_dtype,
     Error,
     FinalAck,
     FragmentLayout,
@@ -274,8 +276,11 @@ class SyncerState:
             raise Refused("unknown_island", f"island {h.island} outside [0, {cfg.islands})")
         if h.generation < 0:
             raise Refused("bad_generation", f"generation {h.generation} < 0")
-        if h.wire_dtype not in WIRE_DTYPES:
-            raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {sorted(WIRE_DTYPES)}")
+        if h.wire_dtype not in PUSH_DTYPES:
+            raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {list(PUSH_DTYPES)}")
+        if h.wire_dtype in QUANT_KINDS and h.quant_block != cfg.quant_block:
+            raise Refused("bad_quant", f"{h.wire_dtype} pushes with blocks of {h.quant_block} elements; this syncer "
+                                       f"uses --quant-block {cfg.quant_block} (set YETO_QUANT_BLOCK={cfg.quant_block})")
         if not 1 <= h.n_fragments <= cfg.max_fragments:
             raise Refused("bad_fragments", f"n_fragments {h.n_fragments} outside [1, {cfg.max_fragments}]")
         if not 0 < len(h.fingerprint) <= MAX_FINGERPRINT_CHARS:
@@ -452,7 +457,12 @@ class SyncerState:
             elif h.n_parts != frag.layout.n_parts(E):
                 raise Refused("bad_part", f"n_parts {h.n_parts}, fragment {r.fragment} has "
                                           f"{frag.layout.n_parts(E)} parts")
-        if h.n_parts > 0:
+        quant = (rec.wire_dtype, self.config.quant_block) if rec.wire_dtype in QUANT_KINDS else None
+        if h.n_parts > 0 and quant is not None:
+            problem = frag.layout.check_quant_part(msg.metas, h.part, h.n_parts, E, *quant)
+            if problem:
+                raise Refused("bad_part", f"PUSH round {h.round}: {problem}")
+        elif h.n_parts > 0:
             problem = frag.layout.check_part(msg.metas, h.part, h.n_parts, E, rec.wire_dtype)
             if problem:
                 raise Refused("bad_part", f"PUSH round {h.round}: {problem}")
@@ -471,10 +481,10 @@ class SyncerState:
         if r.sum is None:
             r.sum = RoundSum(r.round, r.attempt, r.fragment, self.pool.empty((frag.layout.numel,), torch.float32),
                              frag.layout.n_parts(E))
-        lo, _hi = frag.layout.part_range(h.part, E)
+        lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
-        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island))
+        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo))
 
     def _on_folded(self, work: FoldPart, result: Result, now: float, out: list[Out]) -> None:
         r = self.rounds.get(work.sum.round)
@@ -593,7 +603,7 @@ class SyncerState:
             # A checkpoint being written in the background reads this momentum: write beside it.
             r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
         E = self.config.part_elems
-        dtypes = tuple(sorted({"float32"} | {i.wire_dtype for i in self.live()}))
+        dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
         n = frag.layout.n_parts(E)
         r.commit_parts_left = n
         frag.committing = True
@@ -668,7 +678,7 @@ class SyncerState:
                 out.append(self._bcast(isl, frag, r.round, cut=False))
 
     def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> OutStream:
-        return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, isl.wire_dtype)
+        return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, bcast_dtype(isl.wire_dtype))
 
     def _deliver_cuts(self, out: list[Out]) -> None:
         if not self.initialised:
