@@ -49,6 +49,23 @@ class IslandConfig:
     """``YETO_DILOCO_ALPHA``: blend on apply, ``θ ← α·local + (1−α)·global``; 0 replaces the
     local value by the merged global one (classic DiLoCo). ``0 <= α < 1``."""
 
+    apply_mode: str = "progress"
+    """``YETO_DILOCO_APPLY``: ``progress`` (default) keeps the local steps taken between a push
+    and the apply of that round's commit, ``θ ← θ_now + (global − θ_push)`` (docs/PROTOCOL.md);
+    ``blend`` applies ``θ ← α·local + (1−α)·global`` with ``YETO_DILOCO_ALPHA``."""
+
+    pushes_in_flight: int = 1
+    """``YETO_DILOCO_PUSHES_IN_FLIGHT``: background pushes (gather + hand-off) that may be
+    unfinished per rank; another push waits for the oldest. ``>= 1``."""
+
+    transfer_timeout_s: float = 300.0
+    """``YETO_DILOCO_TRANSFER_TIMEOUT_S``: bound on every background transfer wait and on the
+    data group's collectives; a rank that died shows up as an error within it."""
+
+    tune_malloc: bool = True
+    """``YETO_DILOCO_TUNE_MALLOC``: pin glibc's mmap / trim thresholds at start so training
+    steps do not pay page faults (``diloco/island/hostmem.py``)."""
+
     wire_dtype: str = "float32"
     """``YETO_WIRE_DTYPE``: ``float32`` or ``bfloat16`` for pushes and broadcasts (bf16 halves
     the bytes on slow links; the syncer always accumulates in fp32)."""
@@ -103,6 +120,12 @@ class IslandConfig:
         _check(self.island_id >= 0, "YETO_ISLAND_ID", self.island_id, "must be >= 0")
         _check(self.fragments >= 1, "YETO_DILOCO_FRAGMENTS", self.fragments, "must be >= 1")
         _check(0.0 <= self.alpha < 1.0, "YETO_DILOCO_ALPHA", self.alpha, "must satisfy 0 <= alpha < 1")
+        _check(self.apply_mode in ("progress", "blend"), "YETO_DILOCO_APPLY", self.apply_mode,
+               "must be progress or blend")
+        _check(self.alpha == 0.0 or self.apply_mode == "blend", "YETO_DILOCO_ALPHA", self.alpha,
+               "only applies with YETO_DILOCO_APPLY=blend")
+        _check(self.pushes_in_flight >= 1, "YETO_DILOCO_PUSHES_IN_FLIGHT", self.pushes_in_flight, "must be >= 1")
+        _check(self.transfer_timeout_s > 0, "YETO_DILOCO_TRANSFER_TIMEOUT_S", self.transfer_timeout_s, "must be > 0")
         _check(self.wire_dtype in WIRE_DTYPE_NAMES, "YETO_WIRE_DTYPE", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
         _check(self.initial_cut_timeout_s >= 0, "YETO_DILOCO_INITIAL_CUT_TIMEOUT", self.initial_cut_timeout_s,
@@ -147,6 +170,10 @@ class IslandConfig:
             key=key,
             fragments=_int(env, "YETO_DILOCO_FRAGMENTS", 4),
             alpha=_float(env, "YETO_DILOCO_ALPHA", 0.0),
+            apply_mode=env.get("YETO_DILOCO_APPLY", "progress"),
+            pushes_in_flight=_int(env, "YETO_DILOCO_PUSHES_IN_FLIGHT", 1),
+            transfer_timeout_s=_float(env, "YETO_DILOCO_TRANSFER_TIMEOUT_S", 300.0),
+            tune_malloc=_bool(env, "YETO_DILOCO_TUNE_MALLOC", True),
             wire_dtype=env.get("YETO_WIRE_DTYPE", "float32"),
             initial_cut_timeout_s=_float(env, "YETO_DILOCO_INITIAL_CUT_TIMEOUT", 300.0),
             step_log=env.get("YETO_DILOCO_STEP_LOG") or None,
