@@ -141,12 +141,16 @@ class Island:
         self.step = 0
         self._snap_round: dict[int, int] = {}
         """Fragment -> round of its outstanding push snapshot (θ_push), until that commit is installed."""
+        self._snap_steps: dict[int, int] = {}
+        """Fragment -> local steps its outstanding snapshot's push carried (given back if never merged)."""
         self._push_seq: dict[int, int] = {}
         self._staging: dict[int, _Staged] = {}
         self._done_everywhere = 0
         # Sync rank only.
         self.client: SyncClient | None = None
         self._pulls: dict[int, wire.Pull] = {}
+        self._parked_at: dict[int, int] = {}
+        self._decisions = 0
         self._pending: dict[int, PendingBcast] = {}
         self._pushed_at: dict[tuple[int, int], int] = {}
         self._sent: collections.deque[tuple[int, int, int, bool]] = collections.deque()
@@ -307,6 +311,7 @@ class Island:
             have = self._pulls.get(p.fragment)
             if have is None or (p.round, p.attempt) > (have.round, have.attempt):
                 self._pulls[p.fragment] = p
+                self._parked_at[p.fragment] = self._decisions
             self._counters.round, self._counters.attempt = max(
                 (self._counters.round, self._counters.attempt), (p.round, p.attempt))
         while self._sent:
@@ -326,6 +331,7 @@ class Island:
                   if f not in self._staging or f in installing]
         orders = Orders(applies=installs, stages=stages)
         orders.pushes = self._take_pushes(orders, finishing)
+        self._decisions += 1
         return orders
 
     def _take_pushes(self, orders: Orders, finishing: bool = False) -> list[tuple[int, int, int]]:
@@ -336,6 +342,7 @@ class Island:
         step it is answered with what is left, and its real step count (possibly 0, which the
         syncer weighs 0), so the flush rounds take every island's last steps."""
         installs = {f: (r, cut) for f, _, r, cut in orders.applies}
+        replaced = {f for f, *_ in orders.applies if self._staging[f].mode != "progress"}
         busy = {f for f in self._staging if f not in installs} | set(self._pending)
         pushes = []
         for f, p in sorted(self._pulls.items()):
@@ -352,10 +359,15 @@ class Island:
             if self.versions[f] < 0 and f not in installs:
                 continue  # never installed: nothing to push against yet
             snap = self._snap_round.get(f)
-            if snap is not None and snap < p.round and f not in installs:
-                continue  # our previous push's commit is not installed yet
-            if not finishing and self.unmerged_steps[f] < 1:
+            if snap is not None and snap < p.round and f not in installs and \
+                    self._parked_at.get(f, self._decisions) >= self._decisions:
+                # Our previous push's commit is not installed yet. Rounds of a fragment commit
+                # in order and the BCAST precedes the next PULL on the connection, so once this
+                # pull has waited a whole boundary with no BCAST of f, that round committed
+                # without a BCAST (nothing merged): push from the anchor then.
                 continue
+            if not finishing and (self.unmerged_steps[f] < 1 or f in replaced):
+                continue  # wait for a local step on top of the value installed now
             pushes.append((f, p.round, p.attempt))
             del self._pulls[f]
         return pushes
@@ -412,9 +424,13 @@ class Island:
                 self.bg.fail(f"the previous push of fragment {f} did not finish within "
                              f"{self.cfg.transfer_timeout_s:.0f}s")
                 continue  # flagged: every rank raises at the next exchange
+            if f in self._snap_round:
+                # A snapshot whose push was never merged (its attempt was dropped, or its round
+                # committed nothing): the anchor did not move, so those steps are still unmerged.
+                self.unmerged_steps[f] += self._snap_steps.get(f, 0)
             self.data.snapshot(f)
             steps, self.unmerged_steps[f] = self.unmerged_steps[f], 0
-            self._snap_round[f] = rnd
+            self._snap_round[f], self._snap_steps[f] = rnd, steps
             base = self.versions[f]
             self._push_seq[f] = self.bg.submit("push", f"push of fragment {f} round {rnd}", functools.partial(
                 self._push_job, f, wire.Pull(fragment=f, round=rnd, attempt=attempt), base, steps))
