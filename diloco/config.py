@@ -10,6 +10,7 @@ hour before anyone notices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ class ConfigError(ValueError):
 class IslandConfig:
     """What an island needs to take part in DiLoCo rounds.
 
-    Built by :meth:`from_env`; tests and the demo may construct it directly.
+    Build it in code (``IslandConfig(sync_addr="tcp://host:5555", island_id=0, fragments=4)``)
+    or from ``YETO_*`` variables (:meth:`from_env`); both run the same checks, and a bad value
+    raises :class:`ConfigError` naming the field and its variable. Frozen: use :meth:`replace`.
     """
 
     sync_addr: str
@@ -115,78 +118,64 @@ class IslandConfig:
     """``YETO_SYNC_RANK``: the rank (of the island's world) that talks to the syncer."""
 
     def __post_init__(self) -> None:
+        # Types first, so a config built in code (``IslandConfig(island_id="0")``) fails here
+        # naming the field and its variable, just as a bad ``YETO_*`` string does in from_env.
+        for f in dataclasses.fields(self):
+            _check_type(self, f.name)
         if not self.sync_addr or "://" not in self.sync_addr:
-            raise ConfigError(f"YETO_SYNC_ADDR must be a zmq address like tcp://host:5555, got {self.sync_addr!r}")
-        _check(self.island_id >= 0, "YETO_ISLAND_ID", self.island_id, "must be >= 0")
-        _check(self.fragments >= 1, "YETO_DILOCO_FRAGMENTS", self.fragments, "must be >= 1")
-        _check(0.0 <= self.alpha < 1.0, "YETO_DILOCO_ALPHA", self.alpha, "must satisfy 0 <= alpha < 1")
-        _check(self.apply_mode in ("progress", "blend"), "YETO_DILOCO_APPLY", self.apply_mode,
-               "must be progress or blend")
-        _check(self.alpha == 0.0 or self.apply_mode == "blend", "YETO_DILOCO_ALPHA", self.alpha,
-               "only applies with YETO_DILOCO_APPLY=blend")
-        _check(self.pushes_in_flight >= 1, "YETO_DILOCO_PUSHES_IN_FLIGHT", self.pushes_in_flight, "must be >= 1")
-        _check(self.transfer_timeout_s > 0, "YETO_DILOCO_TRANSFER_TIMEOUT_S", self.transfer_timeout_s, "must be > 0")
-        _check(self.wire_dtype in WIRE_DTYPE_NAMES, "YETO_WIRE_DTYPE", self.wire_dtype,
+            raise ConfigError(f"sync_addr (YETO_SYNC_ADDR) must be a zmq address like tcp://host:5555, "
+                              f"got {self.sync_addr!r}")
+        _check(self.island_id >= 0, "island_id", self.island_id, "must be >= 0")
+        _check(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "must satisfy 0 <= alpha < 1")
+        _check(self.apply_mode in ("progress", "blend"), "apply_mode", self.apply_mode, "must be progress or blend")
+        _check(self.alpha == 0.0 or self.apply_mode == "blend", "alpha", self.alpha,
+               "only applies with apply_mode=blend (YETO_DILOCO_APPLY)")
+        _check(self.pushes_in_flight >= 1, "pushes_in_flight", self.pushes_in_flight, "must be >= 1")
+        _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
+        _check(self.wire_dtype in WIRE_DTYPE_NAMES, "wire_dtype", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
-        _check(self.initial_cut_timeout_s >= 0, "YETO_DILOCO_INITIAL_CUT_TIMEOUT", self.initial_cut_timeout_s,
-               "must be >= 0")
-        _check(self.tokens_per_step >= 0, "YETO_DILOCO_TOKENS_PER_STEP", self.tokens_per_step, "must be >= 0")
-        _check(self.heartbeat_s > 0, "YETO_HEARTBEAT_S", self.heartbeat_s, "must be > 0")
-        _check(self.sync_timeout_s > self.heartbeat_s, "YETO_SYNC_TIMEOUT_S", self.sync_timeout_s,
-               "must be greater than YETO_HEARTBEAT_S")
-        _check(self.connect_timeout_s > 0, "YETO_CONNECT_TIMEOUT_S", self.connect_timeout_s, "must be > 0")
-        _check(self.final_timeout_s > 0, "YETO_FINAL_TIMEOUT_S", self.final_timeout_s, "must be > 0")
-        _check(self.send_queue >= 2, "YETO_SEND_QUEUE", self.send_queue, "must be >= 2")
-        _check(self.ranks_per_node is None or self.ranks_per_node >= 1, "YETO_RANKS_PER_NODE",
+        _check(self.initial_cut_timeout_s >= 0, "initial_cut_timeout_s", self.initial_cut_timeout_s, "must be >= 0")
+        _check(self.tokens_per_step >= 0, "tokens_per_step", self.tokens_per_step, "must be >= 0")
+        _check(self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "must be > 0")
+        _check(self.sync_timeout_s > self.heartbeat_s, "sync_timeout_s", self.sync_timeout_s,
+               "must be greater than heartbeat_s (YETO_HEARTBEAT_S)")
+        _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "must be > 0")
+        _check(self.final_timeout_s > 0, "final_timeout_s", self.final_timeout_s, "must be > 0")
+        _check(self.send_queue >= 2, "send_queue", self.send_queue, "must be >= 2")
+        _check(self.ranks_per_node is None or self.ranks_per_node >= 1, "ranks_per_node",
                self.ranks_per_node, "must be >= 1")
-        _check(self.sync_rank >= 0, "YETO_SYNC_RANK", self.sync_rank, "must be >= 0")
+        _check(self.sync_rank >= 0, "sync_rank", self.sync_rank, "must be >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> IslandConfig:
         """Build the config from ``YETO_*`` variables (``env`` defaults to ``os.environ``).
 
-        ``overrides`` replace fields after reading (for integrations that know better, e.g.
-        tokens per step from the trainer's arguments).
+        ``overrides`` are field values (``sync_addr=``, ``island_id=``, ``tokens_per_step=``
+        ...) that win over the variables; they are applied *before* anything is validated,
+        so a launcher may supply the required address and id in code, and a bad override
+        fails like a bad variable. A variable that an override replaces is not parsed.
         """
         env = os.environ if env is None else env
-        key = env.get("YETO_SYNC_KEY", "").encode()
-        key_file = env.get("YETO_SYNC_KEY_FILE", "")
-        if key_file:
-            if key:
-                raise ConfigError("set only one of YETO_SYNC_KEY and YETO_SYNC_KEY_FILE")
-            try:
-                key = read_key_file(key_file)
-            except ValueError as exc:
-                raise ConfigError(f"YETO_SYNC_KEY_FILE: {exc}") from exc
-        addr = env.get("YETO_SYNC_ADDR", "")
-        if not addr:
-            raise ConfigError("YETO_SYNC_ADDR is not set (the syncer's address, e.g. tcp://host:5555)")
-        if "YETO_ISLAND_ID" not in env:
-            raise ConfigError("YETO_ISLAND_ID is not set (this island's id, 0 .. islands-1)")
-        rpn = env.get("YETO_RANKS_PER_NODE", "")
-        fields: dict[str, object] = dict(
-            sync_addr=addr,
-            island_id=_int(env, "YETO_ISLAND_ID", 0),
-            key=key,
-            fragments=_int(env, "YETO_DILOCO_FRAGMENTS", 4),
-            alpha=_float(env, "YETO_DILOCO_ALPHA", 0.0),
-            apply_mode=env.get("YETO_DILOCO_APPLY", "progress"),
-            pushes_in_flight=_int(env, "YETO_DILOCO_PUSHES_IN_FLIGHT", 1),
-            transfer_timeout_s=_float(env, "YETO_DILOCO_TRANSFER_TIMEOUT_S", 300.0),
-            tune_malloc=_bool(env, "YETO_DILOCO_TUNE_MALLOC", True),
-            wire_dtype=env.get("YETO_WIRE_DTYPE", "float32"),
-            initial_cut_timeout_s=_float(env, "YETO_DILOCO_INITIAL_CUT_TIMEOUT", 300.0),
-            step_log=env.get("YETO_DILOCO_STEP_LOG") or None,
-            tokens_per_step=_int(env, "YETO_DILOCO_TOKENS_PER_STEP", 0),
-            heartbeat_s=_float(env, "YETO_HEARTBEAT_S", 2.0),
-            sync_timeout_s=_float(env, "YETO_SYNC_TIMEOUT_S", 30.0),
-            connect_timeout_s=_float(env, "YETO_CONNECT_TIMEOUT_S", 300.0),
-            final_timeout_s=_float(env, "YETO_FINAL_TIMEOUT_S", 600.0),
-            send_queue=_int(env, "YETO_SEND_QUEUE", 16),
-            cross_node_gloo=_bool(env, "YETO_CROSS_NODE_GLOO", False),
-            ranks_per_node=_int(env, "YETO_RANKS_PER_NODE", 0) if rpn else None,
-            sync_rank=_int(env, "YETO_SYNC_RANK", 0),
-        )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError(f"IslandConfig has no field(s) {', '.join(unknown)}")
+        fields: dict[str, object] = {}
+        for name in names - set(overrides):
+            var = _ENV_OF[name]
+            if name == "key":
+                fields[name] = _key_from_env(env)
+            elif name in ("sync_addr", "island_id"):
+                if not env.get(var, ""):
+                    what = ("the syncer's address, e.g. tcp://host:5555" if name == "sync_addr"
+                            else "this island's id, 0 .. islands-1")
+                    raise ConfigError(f"{var} is not set ({what}; or pass {name}= in code)")
+                fields[name] = env[var] if name == "sync_addr" else _int(env, var, 0)
+            elif env.get(var, "") == "":
+                continue  # the dataclass default
+            else:
+                fields[name] = _PARSERS[name](env, var)
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
 
@@ -199,9 +188,103 @@ class IslandConfig:
         return None if self.step_log is None else self.step_log.replace("{island}", str(self.island_id))
 
 
-def _check(ok: bool, var: str, value: object, why: str) -> None:
+_ENV_OF: dict[str, str] = {
+    "sync_addr": "YETO_SYNC_ADDR",
+    "island_id": "YETO_ISLAND_ID",
+    "key": "YETO_SYNC_KEY",
+    "fragments": "YETO_DILOCO_FRAGMENTS",
+    "alpha": "YETO_DILOCO_ALPHA",
+    "apply_mode": "YETO_DILOCO_APPLY",
+    "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
+    "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
+    "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
+    "wire_dtype": "YETO_WIRE_DTYPE",
+    "initial_cut_timeout_s": "YETO_DILOCO_INITIAL_CUT_TIMEOUT",
+    "step_log": "YETO_DILOCO_STEP_LOG",
+    "tokens_per_step": "YETO_DILOCO_TOKENS_PER_STEP",
+    "heartbeat_s": "YETO_HEARTBEAT_S",
+    "sync_timeout_s": "YETO_SYNC_TIMEOUT_S",
+    "connect_timeout_s": "YETO_CONNECT_TIMEOUT_S",
+    "final_timeout_s": "YETO_FINAL_TIMEOUT_S",
+    "send_queue": "YETO_SEND_QUEUE",
+    "cross_node_gloo": "YETO_CROSS_NODE_GLOO",
+    "ranks_per_node": "YETO_RANKS_PER_NODE",
+    "sync_rank": "YETO_SYNC_RANK",
+}
+"""Each field's variable: error messages name both, whichever way the value came in."""
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
-        raise ConfigError(f"{var}={value!r} {why}")
+        raise ConfigError(f"{name} ({_ENV_OF[name]})={value!r} {why}")
+
+
+def _check_type(cfg: IslandConfig, name: str) -> None:
+    """Check (and normalise: int -> float, str key -> bytes) one field's type in place."""
+    value = getattr(cfg, name)
+    kind = _KIND[name]
+    ok: bool
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "int?":
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            object.__setattr__(cfg, name, float(value))
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "bytes":
+        if isinstance(value, str):
+            object.__setattr__(cfg, name, value.encode())
+        ok = isinstance(getattr(cfg, name), bytes)
+    elif kind == "str?":
+        ok = value is None or isinstance(value, str)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        shown = "<redacted>" if name == "key" else repr(value)
+        raise ConfigError(f"{name} ({_ENV_OF[name]})={shown} must be of type {_KIND_WORDS[kind]}")
+
+
+_KIND: dict[str, str] = {
+    "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
+    "apply_mode": "str", "pushes_in_flight": "int", "transfer_timeout_s": "float", "tune_malloc": "bool",
+    "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
+    "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
+    "send_queue": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
+}
+_KIND_WORDS = {"int": "int", "int?": "int or None", "float": "a finite number", "bool": "bool",
+               "bytes": "bytes (or str)", "str?": "str or None", "str": "str"}
+
+
+def _key_from_env(env: Mapping[str, str]) -> bytes:
+    key = env.get("YETO_SYNC_KEY", "").encode()
+    key_file = env.get("YETO_SYNC_KEY_FILE", "")
+    if key_file:
+        if key:
+            raise ConfigError("set only one of YETO_SYNC_KEY and YETO_SYNC_KEY_FILE")
+        try:
+            key = read_key_file(key_file)
+        except ValueError as exc:
+            raise ConfigError(f"YETO_SYNC_KEY_FILE: {exc}") from exc
+    return key
+
+
+def _str(env: Mapping[str, str], var: str) -> str:
+    return env[var]
+
+
+def _float_of(env: Mapping[str, str], var: str) -> float:
+    return _float(env, var, 0.0)
+
+
+def _int_of(env: Mapping[str, str], var: str) -> int:
+    return _int(env, var, 0)
+
+
+def _bool_of(env: Mapping[str, str], var: str) -> bool:
+    return _bool(env, var, False)
 
 
 def _int(env: Mapping[str, str], var: str, default: int) -> int:
@@ -236,3 +319,13 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{var}={raw!r} must be 0 or 1")
+
+
+_PARSERS = {
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of,
+    "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
+    "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
+    "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of,
+    "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,
+}
+"""How each optional field is parsed from its (set, non-empty) variable."""

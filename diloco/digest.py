@@ -59,6 +59,14 @@ def checkpoint_digests(ckpt_dir: str | Path) -> tuple[list[int], list[str]]:
     values = load_file(str(ckpt / "values.safetensors"))
     manifest = json.loads((ckpt / "manifest.json").read_text())
     versions = [int(f["version"]) for f in manifest["fragments"]]
-    digests = [tensor_digest([(name, values[f"{i}/{name}"]) for name, _dtype, _shape in frag["schema"]])
-               for i, frag in enumerate(manifest["fragments"])]
+    digests = []
+    for i, frag in enumerate(manifest["fragments"]):
+        flat, start, named = values[str(i)], 0, []
+        for name, _dtype, shape in frag["schema"]:
+            n = 1
+            for d in shape:
+                n *= int(d)
+            named.append((name, flat[start : start + n].view(tuple(shape))))
+            start += n
+        digests.append(tensor_digest(named))
     return versions, digests

@@ -6,9 +6,12 @@ many bytes moved, which rounds were pushed and applied, and how stale the
 applied values were. ``diloco.steplog_report`` (console script
 ``yeto-steplog``) turns one log per island into a table and plots.
 
-Format: UTF-8 JSON Lines, one object per step boundary, with exactly the fields
-of :class:`StepRecord` (the schema is the contract between the step boundary,
-which fills it, and the report). Extra keys are ignored by the reader so the
+Format: UTF-8 JSON Lines, one object per step boundary (plus one for start-up and
+one per finishing boundary, told apart by ``phase``), with exactly the fields of
+:class:`StepRecord` (the schema is the contract between the step boundary, which
+fills it, and the report). Bytes are exact and belong to the event that moved them:
+a push's payload on its push event, an apply's on its apply event; what belongs to
+no event (headers, heartbeats) is counted as control bytes per record. Extra keys are ignored by the reader so the
 schema may grow; missing or mistyped keys make a line malformed. ``loss`` may be
 ``NaN`` (Python's JSON extension) when training diverged: that is information,
 not an error.
@@ -34,61 +37,102 @@ from typing import IO, Any
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """What one island did at one step boundary (one line of the step log).
+PHASES = ("start", "train", "finish")
+"""Where a record was written: in :meth:`Island.start`, at a training step boundary, or in
+:meth:`Island.finish` (start-up and finish records do not stand for a training step)."""
 
-    Times are seconds (floats), sizes bytes. Counters named "cumulative" count
-    from the start of this process; the others cover this step only.
+
+@dataclass(frozen=True)
+class BoundaryRecord:
+    """What one island boundary did: returned by ``Island.step_end`` (and written, with the
+    timing and diagnostics of :class:`StepRecord`, as one line of the step log).
+
+    Identical on every rank of the island except the byte counts, which are what *this
+    process* moved to or from the syncer (so 0 on ranks other than the sync rank).
     """
 
     step: int
-    """Training step that just finished (the optimizer step before this boundary)."""
+    """The last training step finished (0 during start-up; the last step during finish)."""
+    phase: str
+    """``"start"``, ``"train"`` or ``"finish"`` (see :data:`PHASES`)."""
+    pushed: tuple[int, ...]
+    """Fragments whose delta was pushed in this boundary (answering the syncer's pulls)."""
+    applied: tuple[int, ...]
+    """Fragments whose committed merge was applied in this boundary."""
+    installed: tuple[int, ...]
+    """Fragments overwritten by a cut (initial cut, rejoin) or the final cut in this boundary."""
+    versions: tuple[int, ...]
+    """Per fragment, the version held after this boundary (-1: none yet)."""
+    blocked_s: float
+    """Seconds the training loop was blocked in this boundary (export + apply + wait + other)."""
+    data_bytes_sent: int
+    """Tensor payload bytes this process queued for the syncer here: the sum of the
+    ``data_bytes`` of this record's push and init events."""
+    data_bytes_recv: int
+    """Tensor payload bytes received from the syncer and installed here: the sum of the
+    ``data_bytes`` of this record's apply, cut and final events."""
+    pushes: int
+    """Pushes exported so far (cumulative; one the send queue dropped counts, its event says so)."""
+    applies: int
+    """Committed merges applied so far (cumulative; cut installs excluded)."""
+
+
+@dataclass(frozen=True)
+class StepRecord(BoundaryRecord):
+    """One line of the step log: a :class:`BoundaryRecord` plus timing and diagnostics.
+
+    Times are seconds (floats), sizes bytes. Counters named "cumulative" count
+    from the start of this process; the others cover this record only.
+    """
+
     time: float
     """Unix time (s) when the boundary ended."""
     step_s: float
     """Wall time (s) from the end of the previous boundary to the start of this
-    one, i.e. the training step itself."""
-    boundary_s: float
-    """Wall time (s) spent inside this boundary (export + apply + wait + other)."""
+    one, i.e. the training step itself (0 outside the train phase)."""
     export_s: float
-    """Time (s) gathering fragments for pushes (and INIT) to sync rank 0."""
+    """Time (s) gathering fragments for pushes (and INIT) to the sync rank."""
     apply_s: float
     """Time (s) scattering and writing received fragments into the model."""
     wait_s: float
     """Time (s) waiting on the syncer, the client thread or island collectives."""
-    bytes_sent: int
-    """Payload bytes sent to the syncer during this boundary."""
-    bytes_recv: int
-    """Payload bytes received from the syncer and applied during this boundary."""
-    pushes: int
-    """Pushes sent so far (cumulative)."""
-    applies: int
-    """Committed fragments applied so far (cumulative; initial-cut installs excluded)."""
-    versions: list[int]
-    """Per fragment, the version last applied (-1: none yet)."""
+    control_bytes_sent: int
+    """Non-payload bytes (MACs, headers, heartbeats, acks) the client sent since the previous
+    record; they belong to no event."""
+    control_bytes_recv: int
+    """Non-payload bytes (MACs, headers, pulls, heartbeats) received since the previous record."""
     round: int
     """Latest round number seen in a pull (0: none yet)."""
     attempt: int
     """Attempt of that latest pull (-1: none yet)."""
     events: list[dict[str, Any]]
-    """What happened in this boundary, in order. Known types:
-    ``{"type": "push", "fragment", "round", "attempt", "base_version", "bytes",
-    "local_steps"}``; ``{"type": "apply", "fragment", "version", "round",
-    "bytes", "lag_steps"}`` where ``lag_steps`` is the number of steps between
-    this island's push for that round and applying its commit;
-    ``{"type": "cut", ...}`` (an initial-cut fragment installed) and
-    ``{"type": "final", ...}``. Readers ignore types they do not know."""
+    """What happened in this boundary, in order. Known types, each with the payload bytes it
+    moved as ``data_bytes`` (numel x wire itemsize):
+    ``{"type": "push", "fragment", "round", "attempt", "base_version", "local_steps",
+    "data_bytes", "dropped"}`` (``dropped``: the send queue was full, nothing moved, the
+    syncer re-pulls); ``{"type": "apply", "fragment", "version", "round", "data_bytes",
+    "lag_steps"}`` where ``lag_steps`` is the number of steps between this island's push for
+    that round and applying its commit; ``{"type": "init", "fragment", "data_bytes"}``,
+    ``{"type": "cut", "fragment", "version", "data_bytes"}`` (a cut fragment installed) and
+    ``{"type": "final", "versions", "data_bytes"}``. Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int
     """Island id (0-based) that wrote the log."""
 
+    def boundary(self) -> BoundaryRecord:
+        """The :class:`BoundaryRecord` part (what ``step_end`` returned for this line)."""
+        return BoundaryRecord(**{f.name: getattr(self, f.name) for f in _BOUNDARY_FIELDS})
 
+
+_BOUNDARY_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(BoundaryRecord)
 _FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(StepRecord)
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in _FIELDS)
-_INT_FIELDS = frozenset({"step", "bytes_sent", "bytes_recv", "pushes", "applies", "round", "attempt", "island"})
-_FLOAT_FIELDS = frozenset({"time", "step_s", "boundary_s", "export_s", "apply_s", "wait_s"})
+_INT_FIELDS = frozenset({"step", "data_bytes_sent", "data_bytes_recv", "control_bytes_sent", "control_bytes_recv",
+                         "pushes", "applies", "round", "attempt", "island"})
+_FLOAT_FIELDS = frozenset({"time", "step_s", "blocked_s", "export_s", "apply_s", "wait_s"})
+_INT_TUPLE_FIELDS = ("pushed", "applied", "installed", "versions")
+_BYTE_FIELDS = ("data_bytes_sent", "data_bytes_recv", "control_bytes_sent", "control_bytes_recv")
 
 
 class StepLog:
@@ -132,6 +176,7 @@ class StepLog:
         # Build the dict by hand: dataclasses.asdict deep-copies every event,
         # which is wasted work on a path that runs at every step.
         line = json.dumps({name: getattr(entry, name) for name in _FIELD_NAMES}, separators=(",", ":"))
+        # (tuples are written as JSON lists; parse_record turns them back into tuples)
         try:
             self._file.write(line + "\n")
         except (OSError, ValueError) as exc:
@@ -249,11 +294,14 @@ def parse_record(line: str) -> StepRecord:
         value = obj[name]
         if not _is_number(value) or not math.isfinite(value) or (name != "time" and value < 0):
             raise ValueError(f"field {name} is not a finite non-negative number")
-    if obj["bytes_sent"] < 0 or obj["bytes_recv"] < 0:
+    if any(obj[name] < 0 for name in _BYTE_FIELDS):
         raise ValueError("negative byte count")
-    versions = obj["versions"]
-    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
-        raise ValueError("field versions is not a list of integers")
+    if obj["phase"] not in PHASES:
+        raise ValueError(f"field phase is not one of {', '.join(PHASES)}")
+    for name in _INT_TUPLE_FIELDS:
+        value = obj[name]
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise ValueError(f"field {name} is not a list of integers")
     events = obj["events"]
     if not isinstance(events, list) or not all(isinstance(e, dict) and isinstance(e.get("type"), str) for e in events):
         raise ValueError("field events is not a list of objects with a string 'type'")
@@ -261,6 +309,8 @@ def parse_record(line: str) -> StepRecord:
     if loss is not None and not _is_number(loss):
         raise ValueError("field loss is neither a number nor null")
     values = {name: obj[name] for name in _FIELD_NAMES}
+    for name in _INT_TUPLE_FIELDS:
+        values[name] = tuple(values[name])
     for name in _FLOAT_FIELDS:
         values[name] = float(values[name])
     if loss is not None:

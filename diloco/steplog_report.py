@@ -11,11 +11,18 @@ can be compared side by side; ``--json`` prints the same numbers for scripts;
 marker at every applied round, one panel per island.
 
 Definitions (the tests pin these):
+    train records   records with phase "train" (one per training step); the boundary
+                    time figures and the step count use only these, while start-up
+                    and finish() are reported as their own totals (start_s, finish_s)
     percentiles     linear interpolation between closest ranks (numpy's default)
-    other_s         boundary_s - export_s - apply_s - wait_s, floored at 0
-    sync_share      sum(boundary_s) / sum(step_s + boundary_s)
+    other_s         blocked_s - export_s - apply_s - wait_s, floored at 0
+    sync_share      sum(blocked_s) / sum(step_s + blocked_s) over train records
     rounds          number of ``apply`` events (committed rounds this island applied)
-    bytes per round sum(bytes_sent) / rounds and sum(bytes_recv) / rounds
+    bytes per round sum of ``data_bytes`` of ``push`` events / rounds (sent) and of
+                    ``apply`` events / rounds (received): only what rounds move, not
+                    INIT, the initial or final cut, headers or heartbeats
+    data / control  totals over every record: payload bytes (the events' data_bytes)
+                    and control bytes (headers, heartbeats; per record)
     lag_steps       from ``apply`` events (steps between push and apply of a round)
     version lag     for each round this island both pushed and applied:
                     applied version - 1 - push base_version, i.e. how many
@@ -53,6 +60,8 @@ class IslandSummary:
     last_step: int | None
     malformed_lines: int
     truncated_tail: bool
+    start_s: float
+    finish_s: float
     boundary_ms_p50: float | None
     boundary_ms_p95: float | None
     boundary_ms_max: float | None
@@ -68,8 +77,12 @@ class IslandSummary:
     other_share: float | None
     sync_share: float | None
     rounds: int
-    bytes_sent: int
-    bytes_recv: int
+    round_bytes_sent: int
+    round_bytes_recv: int
+    data_bytes_sent: int
+    data_bytes_recv: int
+    control_bytes_sent: int
+    control_bytes_recv: int
     bytes_sent_per_round: float | None
     bytes_recv_per_round: float | None
     pushes: int
@@ -127,30 +140,34 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
     if contents is None:
         contents = read_steplog_contents(path)
     records = contents.records
-    boundary = [r.boundary_s for r in records]
-    step_total = math.fsum(r.step_s for r in records)
+    train = [r for r in records if r.phase == "train"]
+    boundary = [r.blocked_s for r in train]
+    step_total = math.fsum(r.step_s for r in train)
     boundary_total = math.fsum(boundary)
-    export = math.fsum(r.export_s for r in records)
-    apply = math.fsum(r.apply_s for r in records)
-    wait = math.fsum(r.wait_s for r in records)
-    other = math.fsum(max(0.0, r.boundary_s - r.export_s - r.apply_s - r.wait_s) for r in records)
+    export = math.fsum(r.export_s for r in train)
+    apply = math.fsum(r.apply_s for r in train)
+    wait = math.fsum(r.wait_s for r in train)
+    other = math.fsum(max(0.0, r.blocked_s - r.export_s - r.apply_s - r.wait_s) for r in train)
     applies = [e for r in records for e in r.events if e["type"] == "apply"]
+    pushes = [e for r in records for e in r.events if e["type"] == "push"]
     lag_steps = [v for v in (_event_int(e, "lag_steps") for e in applies) if v is not None]
     vlags = version_lags(records)
     rounds = len(applies)
-    sent = sum(r.bytes_sent for r in records)
-    recv = sum(r.bytes_recv for r in records)
+    sent = sum(_event_int(e, "data_bytes") or 0 for e in pushes)
+    recv = sum(_event_int(e, "data_bytes") or 0 for e in applies)
     losses = [r.loss for r in records if r.loss is not None]
     return IslandSummary(
         path=path,
         island=records[-1].island if records else None,
         records=len(records),
-        # Distinct steps: the finalization boundaries repeat the last step.
-        steps=len({r.step for r in records}),
-        first_step=records[0].step if records else None,
-        last_step=records[-1].step if records else None,
+        # Distinct steps (a restarted job appending to the same file may repeat some).
+        steps=len({r.step for r in train}),
+        first_step=train[0].step if train else None,
+        last_step=train[-1].step if train else None,
         malformed_lines=contents.malformed,
         truncated_tail=contents.truncated_tail,
+        start_s=math.fsum(r.blocked_s for r in records if r.phase == "start"),
+        finish_s=math.fsum(r.blocked_s for r in records if r.phase == "finish"),
         boundary_ms_p50=_ms(_pct(boundary, 50)),
         boundary_ms_p95=_ms(_pct(boundary, 95)),
         boundary_ms_max=_ms(max(boundary) if boundary else None),
@@ -166,8 +183,12 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
         other_share=_share(other, boundary_total),
         sync_share=_share(boundary_total, step_total + boundary_total),
         rounds=rounds,
-        bytes_sent=sent,
-        bytes_recv=recv,
+        round_bytes_sent=sent,
+        round_bytes_recv=recv,
+        data_bytes_sent=sum(r.data_bytes_sent for r in records),
+        data_bytes_recv=sum(r.data_bytes_recv for r in records),
+        control_bytes_sent=sum(r.control_bytes_sent for r in records),
+        control_bytes_recv=sum(r.control_bytes_recv for r in records),
         bytes_sent_per_round=sent / rounds if rounds else None,
         bytes_recv_per_round=recv / rounds if rounds else None,
         # Counters are cumulative: the largest seen is the total (max, not
@@ -227,6 +248,8 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("boundary ms p50", [_num(s.boundary_ms_p50, "{:.3f}") for s in summaries]),
         ("boundary ms p95", [_num(s.boundary_ms_p95, "{:.3f}") for s in summaries]),
         ("boundary ms max", [_num(s.boundary_ms_max, "{:.3f}") for s in summaries]),
+        ("start-up", [f"{s.start_s:.3f} s" for s in summaries]),
+        ("finish", [f"{s.finish_s:.3f} s" for s in summaries]),
         ("boundary total", [f"{s.boundary_total_s:.3f} s" for s in summaries]),
         ("  export", [_phase(s.export_s, s.export_share) for s in summaries]),
         ("  apply", [_phase(s.apply_s, s.apply_share) for s in summaries]),
@@ -236,8 +259,10 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("rounds applied", [str(s.rounds) for s in summaries]),
         ("bytes sent / round", [_bytes(s.bytes_sent_per_round) for s in summaries]),
         ("bytes recv / round", [_bytes(s.bytes_recv_per_round) for s in summaries]),
-        ("bytes sent total", [_bytes(s.bytes_sent) for s in summaries]),
-        ("bytes recv total", [_bytes(s.bytes_recv) for s in summaries]),
+        ("data sent total", [_bytes(s.data_bytes_sent) for s in summaries]),
+        ("data recv total", [_bytes(s.data_bytes_recv) for s in summaries]),
+        ("control sent total", [_bytes(s.control_bytes_sent) for s in summaries]),
+        ("control recv total", [_bytes(s.control_bytes_recv) for s in summaries]),
         ("pushes", [str(s.pushes) for s in summaries]),
         ("applies", [str(s.applies) for s in summaries]),
         ("lag steps p50 / max", [f"{_num(s.lag_steps_p50, '{:g}')} / {_num(s.lag_steps_max, '{}')}" for s in summaries]),
@@ -284,15 +309,16 @@ def plot_logs(logs: Sequence[tuple[str, Sequence[StepRecord]]], out_png: str) ->
         ax.set_title(f"island {island}: {os.path.basename(path)}")
         ax.set_xlabel("step")
         ax.set_ylabel("boundary time (ms)")
+        records = [r for r in records if r.phase == "train"]
         if not records:
-            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, "no training records", ha="center", va="center", transform=ax.transAxes)
             continue
         steps = np.array([r.step for r in records], dtype=np.float64)
         phases = {
             "export": np.array([r.export_s for r in records]) * 1e3,
             "apply": np.array([r.apply_s for r in records]) * 1e3,
             "wait": np.array([r.wait_s for r in records]) * 1e3,
-            "other": np.array([max(0.0, r.boundary_s - r.export_s - r.apply_s - r.wait_s) for r in records]) * 1e3,
+            "other": np.array([max(0.0, r.blocked_s - r.export_s - r.apply_s - r.wait_s) for r in records]) * 1e3,
         }
         # Stacked step-fills instead of bars: thousands of steps stay cheap and
         # each step's band is exactly its own value.

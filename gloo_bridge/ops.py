@@ -127,6 +127,7 @@ class BridgedOps:
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.all_reduce``; ``args`` are the caller's bound arguments."""
         tensor, op = args["tensor"], args["op"]
         _check_reduce_op("all_reduce", op)
         sc = self._staged(tensor)
@@ -138,6 +139,7 @@ class BridgedOps:
         return self._complete("all_reduce", sc, lambda: self._orig["all_reduce"](**kw), kw["async_op"], [tensor])
 
     def broadcast(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.broadcast``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         group_src = args.get("group_src")
         is_src = group.rank() == group_src if group_src is not None else dist.get_rank() == args["src"]
@@ -148,6 +150,7 @@ class BridgedOps:
         return self._complete("broadcast", sc, lambda: self._orig["broadcast"](**kw), kw["async_op"], [tensor])
 
     def reduce(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.reduce``; ``args`` are the caller's bound arguments."""
         tensor, op = args["tensor"], args["op"]
         _check_reduce_op("reduce", op)
         group_dst = args.get("group_dst")
@@ -162,6 +165,7 @@ class BridgedOps:
         return self._complete("reduce", sc, lambda: self._orig["reduce"](**kw), kw["async_op"], [tensor])
 
     def all_gather(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.all_gather``; ``args`` are the caller's bound arguments."""
         tensor, outs = args["tensor"], list(args["tensor_list"])
         sc = self._staged(tensor, *outs)
         host_in = sc.host_in(tensor)
@@ -170,6 +174,7 @@ class BridgedOps:
         return self._complete("all_gather", sc, lambda: self._orig["all_gather"](**kw), kw["async_op"], outs)
 
     def all_gather_into_tensor(self, args: Args, group: dist.ProcessGroup, name: str = "all_gather_into_tensor") -> Any:
+        """Bridged ``dist.all_gather_into_tensor``; ``args`` are the caller's bound arguments."""
         output, inp = args["output_tensor"], args["input_tensor"]
         size = group.size()
         if output.numel() != size * inp.numel() or output.dtype != inp.dtype:
@@ -189,6 +194,7 @@ class BridgedOps:
         return self._complete(name, sc, lambda: self._orig["all_gather"](**kw), async_op, [output])
 
     def reduce_scatter_tensor(self, args: Args, group: dist.ProcessGroup, name: str = "reduce_scatter_tensor") -> Any:
+        """Bridged ``dist.reduce_scatter_tensor``; ``args`` are the caller's bound arguments."""
         output, inp, op = args["output"], args["input"], args["op"]
         _check_reduce_op(name, op)
         size, rank = group.size(), group.rank()
@@ -214,6 +220,7 @@ class BridgedOps:
         return self._complete(name, sc, lambda: self._orig["all_reduce"](**kw), async_op, [output])
 
     def all_to_all_single(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.all_to_all_single``; ``args`` are the caller's bound arguments."""
         output, inp = args["output"], args["input"]
         sc = self._staged(output, inp)
         host_in = sc.host_in(inp)
@@ -223,6 +230,7 @@ class BridgedOps:
                               kw["async_op"], [output])
 
     def gather(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.gather``; ``args`` are the caller's bound arguments."""
         tensor, glist = args["tensor"], args.get("gather_list")
         outs = list(glist) if glist else []
         sc = self._staged(tensor, *outs)
@@ -232,6 +240,7 @@ class BridgedOps:
         return self._complete("gather", sc, lambda: self._orig["gather"](**kw), kw["async_op"], outs)
 
     def scatter(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.scatter``; ``args`` are the caller's bound arguments."""
         tensor, slist = args["tensor"], args.get("scatter_list")
         ins = list(slist) if slist else []
         sc = self._staged(tensor, *ins)
@@ -241,18 +250,21 @@ class BridgedOps:
         return self._complete("scatter", sc, lambda: self._orig["scatter"](**kw), kw["async_op"], [tensor])
 
     def barrier(self, args: Args, group: dist.ProcessGroup) -> Any:
+        """Bridged ``dist.barrier``; ``args`` are the caller's bound arguments."""
         kw = self._kw(args, group)
         kw.pop("device_ids", None)  # device ids are an NCCL notion; gloo has none
         return self._orig["barrier"](**kw)
 
     # -- point to point ----------------------------------------------------------
     def send(self, args: Args, group: dist.ProcessGroup, name: str = "send") -> Any:
+        """Bridged ``dist.send``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         sc = self._staged(tensor)
         kw = self._kw(args, group, tensor=sc.host_in(tensor))
         return self._complete(name, sc, lambda: self._orig[name](**kw), name == "isend", [tensor])
 
     def recv(self, args: Args, group: dist.ProcessGroup, name: str = "recv") -> Any:
+        """Bridged ``dist.recv``; ``args`` are the caller's bound arguments."""
         tensor = args["tensor"]
         sc = self._staged(tensor)
         kw = self._kw(args, group, tensor=sc.host_out(tensor))

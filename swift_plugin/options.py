@@ -36,6 +36,7 @@ class BridgeOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> BridgeOptions:
+        """Read ``YETO_CROSS_NODE_GLOO`` / ``YETO_RANKS_PER_NODE`` (``env`` defaults to ``os.environ``)."""
         env = os.environ if env is None else env
         raw = env.get("YETO_CROSS_NODE_GLOO", "").strip().lower()
         if raw not in _TRUE + _FALSE:
@@ -63,6 +64,7 @@ class PluginOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginOptions:
+        """Read the plugin-only variables (``YETO_DILOCO_DIGEST_FILE``)."""
         env = os.environ if env is None else env
         return cls(digest_file=env.get("YETO_DILOCO_DIGEST_FILE") or None)
 

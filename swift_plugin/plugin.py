@@ -72,15 +72,19 @@ class YetoCallback(MegatronCallback):
         self.hooks = YetoIslandHooks(trainer)
 
     def on_train_begin(self) -> None:
+        """ms-swift hook: join the syncer (``Island.start``)."""
         self.hooks.on_train_begin()
 
     def on_step_end(self) -> None:
+        """ms-swift hook: the step boundary (``Island.step_end``)."""
         self.hooks.on_step_end()
 
     def on_log(self, logs: Any) -> None:
+        """ms-swift hook: remember the loss for the step log."""
         self.hooks.on_log(logs)
 
     def on_train_end(self) -> None:
+        """ms-swift hook: the final cut (``Island.finish``)."""
         self.hooks.on_train_end()
 
 

@@ -3,131 +3,101 @@
 What a newcomer runs first. It starts a real ``yeto-syncer`` process and N islands, each a
 real multi-process megatron-core GPT (gloo) with its own layout (``tp2`` and ``pp2`` by
 default: islands with different layouts sync through canonical global tensors), plus the
-same model trained **alone** (island 0's data stream, no sync) as the baseline. It shows
-live progress, then prints a summary — loss per island vs alone, rounds committed, bytes
-moved, share of step time spent in sync — runs the step-log report and saves its plots,
-and optionally writes the summary as JSON (``--summary``), including a digest of each
-island's global parameters after the final cut: they must be equal.
+same model trained **alone** (island 0's initial weights and data stream, no sync) as the
+baseline. It shows live progress, then prints a summary — loss per run, the held-out loss of
+the final merged model vs alone (the verdict), rounds committed, bytes moved, share of step
+time spent in sync — runs the step-log report, saves its plots, and writes the summary as
+JSON (``--summary``, default ``<out>/summary.json``), including a digest of each island's
+global parameters after the final cut: they must be equal. The machinery lives in
+:mod:`diloco.demo.runner` (shared with ``benchmarks/bench_quality.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import secrets
-import socket
-import subprocess
+import signal
 import sys
-import time
-from dataclasses import dataclass
-from typing import IO
+from types import FrameType
 
-from diloco.demo.island import parse_layout
-from diloco.steplog_report import format_table, plot_logs, summarize
+from diloco.config import WIRE_DTYPE_NAMES
+from diloco.demo import runner
+from diloco.demo.runner import DemoConfigError, DemoSettings
 from diloco.steplog import read_steplog
+from diloco.steplog_report import format_table, plot_logs, summarize
 
 log = logging.getLogger("yeto-demo")
-
-
-@dataclass
-class _Proc:
-    name: str
-    popen: subprocess.Popen
-    log: IO[str]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+EXIT_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="yeto-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--islands", type=int, default=2, help="number of islands (default 2)")
-    p.add_argument("--layouts", default="tp2,pp2",
-                   help="comma-separated layout per island, e.g. tp2,pp2 or tp2,tp1 (cycled; default tp2,pp2)")
-    p.add_argument("--steps", type=int, default=240, help="inner steps per island (default 240)")
-    p.add_argument("--fragments", type=int, default=4, help="fragments the model is cut into (default 4)")
-    p.add_argument("--sync-every", type=int, default=40,
-                   help="H: inner steps between two syncs of the same fragment (default 40)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="syncer's outer Nesterov learning rate (0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="syncer's outer Nesterov momentum (0.9)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--summary", default=None, help="write the summary as JSON to this file")
+    d = DemoSettings()
+    p = argparse.ArgumentParser(prog="yeto-demo", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--islands", type=int, default=d.islands, help=f"number of islands (default {d.islands})")
+    p.add_argument("--layouts", default=",".join(d.layouts),
+                   help="comma-separated layout per island, e.g. tp2,pp2 or tp2,tp1 (cycled; default "
+                        f"{','.join(d.layouts)}); TP divides the 4 heads and 2 query groups, PP divides --layers")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"inner steps per island (default {d.steps})")
+    p.add_argument("--fragments", type=int, default=d.fragments,
+                   help=f"fragments the model is cut into, 1..--layers (default {d.fragments})")
+    p.add_argument("--sync-every", type=int, default=d.sync_every,
+                   help=f"H: inner steps between two syncs of the same fragment (default {d.sync_every})")
+    p.add_argument("--outer-lr", type=float, default=d.outer_lr,
+                   help=f"syncer's outer Nesterov learning rate (default {d.outer_lr})")
+    p.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                   help=f"syncer's outer Nesterov momentum (default {d.outer_momentum})")
+    p.add_argument("--out", default=d.out, help=f"output directory, empty or new (default {d.out})")
+    p.add_argument("--overwrite", action="store_true", help="reuse a non-empty --out (removes the old run's files)")
+    p.add_argument("--summary", default=None, help="write the summary JSON here (default <out>/summary.json)")
     p.add_argument("--no-baseline", action="store_true", help="skip the alone baseline (faster)")
-    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long (default 1800)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--dp-bound", action="store_true",
+                   help="also train one job on every island's data at once (the data-parallel upper bound)")
+    p.add_argument("--hidden", type=int, default=d.hidden, help=f"model width (default {d.hidden})")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"transformer layers (default {d.layers})")
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch,
+                   help=f"sequences per island step (default {d.micro_batch})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"inner Adam learning rate (default {d.lr})")
+    p.add_argument("--wire-dtype", default=d.wire_dtype,
+                   help=f"pushes and broadcasts: {' or '.join(WIRE_DTYPE_NAMES)} (default {d.wire_dtype})")
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                   help=f"give up after this long (default {d.timeout_s:.0f})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device,
                    help="cpu (default) or cuda: every rank on a visible GPU (rank %% GPUs)")
-    p.add_argument("--ranks-per-node", type=int, default=0,
+    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
                    help="> 0: islands install the gloo bridge with this many ranks per node (1 bridges every group)")
     return p
 
 
+def settings_from_args(argv: list[str] | None = None) -> DemoSettings:
+    a = _parser().parse_args(argv)
+    return DemoSettings(
+        islands=a.islands, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()), steps=a.steps,
+        fragments=a.fragments, sync_every=a.sync_every, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+        out=a.out, overwrite=a.overwrite, summary=a.summary, baseline=not a.no_baseline, dp_bound=a.dp_bound,
+        hidden=a.hidden, layers=a.layers, micro_batch=a.micro_batch, lr=a.lr, wire_dtype=a.wire_dtype,
+        timeout_s=a.timeout_s, device=a.device, ranks_per_node=a.ranks_per_node)
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    # SystemExit unwinds through run_demo's finally, which kills every process group.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Entry point of ``yeto-demo``; returns the exit status (0 only if every process succeeded
+    and the final digests are equal)."""
+    settings = settings_from_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    if args.islands < 1 or not layouts:
-        print("yeto-demo: --islands must be >= 1 and --layouts non-empty", file=sys.stderr)
-        return 2
-    for lay in layouts:
-        try:
-            parse_layout(lay)
-        except ValueError as exc:
-            print(f"yeto-demo: --layouts: {exc}", file=sys.stderr)
-            return 2
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    for old in os.listdir(out):
-        if old.endswith((".progress.jsonl", ".steplog.jsonl", ".json")) or old == "events.jsonl":
-            os.remove(os.path.join(out, old))
-    key = secrets.token_hex(16)
-    key_file = os.path.join(out, "sync.key")
-    with open(key_file, "w") as fh:
-        fh.write(key)
-    env = {**os.environ, "YETO_SYNC_KEY": key, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    port = _free_port()
-    addr = f"tcp://127.0.0.1:{port}"
-    t0 = time.time()
-    procs: list[_Proc] = []
-
-    def spawn(name: str, cmd: list[str]) -> _Proc:
-        fh = open(os.path.join(out, f"{name}.log"), "w")
-        proc = _Proc(name, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), fh)
-        procs.append(proc)
-        return proc
-
-    syncer = spawn("syncer", [sys.executable, "-m", "diloco.syncer", "--bind", addr, "--islands", str(args.islands),
-                              "--sync-every", str(args.sync_every), "--total-steps", str(args.steps),
-                              "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4",
-                              "--key-file", key_file, "--event-log", os.path.join(out, "events.jsonl"),
-                              "--quorum-timeout-s", "120", "--final-timeout-s", "300",
-                              "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)])
-    names = []
-    common = ["--steps", str(args.steps), "--fragments", str(args.fragments), "--out", out, "--hidden",
-              str(args.hidden), "--layers", str(args.layers), "--timeout-s", str(args.timeout_s),
-              "--device", args.device, "--ranks-per-node", str(args.ranks_per_node)]
-    for i in range(args.islands):
-        name, lay = f"island{i}", layouts[i % len(layouts)]
-        names.append(name)
-        spawn(name, [sys.executable, "-m", "diloco.demo.island", "--name", name, "--island-id", str(i), "--layout",
-                     lay, "--sync-addr", addr, "--data-seed", str(i), *common])
-    if not args.no_baseline:
-        spawn("alone", [sys.executable, "-m", "diloco.demo.island", "--name", "alone", "--layout", "tp1",
-                        "--data-seed", "0", *common])
-    log.info("syncer at %s, %d islands (%s), %d steps, H=%d, %d fragments; logs in %s", addr, args.islands,
-             ",".join(layouts[i % len(layouts)] for i in range(args.islands)), args.steps, args.sync_every,
-             args.fragments, out)
-    ok = _watch(procs, syncer, out, args, t0)
-    wall = time.time() - t0
-    summary = _summarize(out, names, args, wall, ok)
-    print(_format_summary(summary))
-    logs = [os.path.join(out, f"{n}.steplog.jsonl") for n in names]
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        summary = runner.run_demo(settings)
+    except DemoConfigError as exc:
+        print(f"yeto-demo: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(runner.format_summary(summary))
+    out = os.path.abspath(settings.out)
+    logs = [os.path.join(out, f"{n}.steplog.jsonl") for n in runner.run_names(settings) if n.startswith("island")]
     logs = [p for p in logs if os.path.exists(p)]
     if logs:
         print(format_table([summarize(p) for p in logs]))
@@ -137,113 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step-log plots: {png}")
         except ImportError:
             print("step-log plots skipped: matplotlib is not installed")
-    if args.summary:
-        with open(args.summary, "w") as fh:
-            json.dump(summary, fh, indent=1)
-    return 0 if ok and summary["digests_equal"] else 1
-
-
-def _progress(out: str, name: str) -> tuple[int, float | None]:
-    try:
-        with open(os.path.join(out, f"{name}.progress.jsonl"), "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 400))
-            lines = fh.read().decode(errors="replace").splitlines()
-        last = json.loads(lines[-1]) if lines and lines[-1].endswith("}") else None
-        return (int(last["step"]), float(last["loss"])) if last else (0, None)
-    except (OSError, ValueError, KeyError, IndexError):
-        return 0, None
-
-
-def _rounds(out: str) -> int:
-    try:
-        with open(os.path.join(out, "events.jsonl")) as fh:
-            return sum(1 for line in fh if line.strip())
-    except OSError:
-        return 0
-
-
-def _watch(procs: list[_Proc], syncer: _Proc, out: str, args: argparse.Namespace, t0: float) -> bool:
-    """Show progress until every process ended; kill everything on timeout or an island failure."""
-    last_print = 0.0
-    ok = True
-    while True:
-        alive = [p for p in procs if p.popen.poll() is None]
-        failed = [p for p in procs if p.popen.poll() not in (None, 0)]
-        if failed:
-            for p in failed:
-                log.error("%s exited with code %s (see %s/%s.log)", p.name, p.popen.returncode, out, p.name)
-            ok = False
-            break
-        if not alive:
-            break
-        if time.time() - t0 > args.timeout_s:
-            log.error("timeout after %.0fs", args.timeout_s)
-            ok = False
-            break
-        if time.time() - last_print >= 5.0:
-            parts = []
-            for p in procs:
-                if p is syncer:
-                    continue
-                step, loss = _progress(out, p.name)
-                parts.append(f"{p.name} {step}/{args.steps}" + (f" loss {loss:.3f}" if loss is not None else ""))
-            log.info("%s | rounds %d | %.0fs", " | ".join(parts), _rounds(out), time.time() - t0)
-            last_print = time.time()
-        time.sleep(0.5)
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.kill()
-        p.popen.wait(timeout=30)
-        p.log.close()
-    return ok
-
-
-def _summarize(out: str, names: list[str], args: argparse.Namespace, wall: float, ok: bool) -> dict:
-    islands = {}
-    for n in names + ([] if args.no_baseline else ["alone"]):
-        try:
-            with open(os.path.join(out, f"{n}.json")) as fh:
-                islands[n] = json.load(fh)
-        except (OSError, ValueError):
-            islands[n] = None
-    moved = 0
-    sync_share = {}
-    for n in names:
-        path = os.path.join(out, f"{n}.steplog.jsonl")
-        if os.path.exists(path):
-            s = summarize(path)
-            moved += s.bytes_sent + s.bytes_recv
-            sync_share[n] = s.sync_share
-    digests = [islands[n]["digest"] if islands.get(n) else None for n in names]
-    return {
-        "ok": ok,
-        "wall_s": round(wall, 1),
-        "steps": args.steps,
-        "sync_every": args.sync_every,
-        "fragments": args.fragments,
-        "rounds_committed": _rounds(out),
-        "bytes_moved": moved,
-        "sync_share": sync_share,
-        "islands": {n: (None if r is None else {k: r[k] for k in ("layout", "first_loss", "train_loss",
-                                                                   "eval_loss", "digest", "versions")})
-                    for n, r in islands.items()},
-        "digests_equal": ok and None not in digests and len(set(digests)) == 1,
-    }
-
-
-def _format_summary(s: dict) -> str:
-    rows = [f"{'run':<10} {'layout':<8} {'first loss':>10} {'train loss':>10} {'eval loss':>10} {'sync share':>10}"]
-    for n, r in s["islands"].items():
-        if r is None:
-            rows.append(f"{n:<10} (no result)")
-            continue
-        share = s["sync_share"].get(n)
-        rows.append(f"{n:<10} {r['layout']:<8} {r['first_loss']:>10.3f} {r['train_loss']:>10.3f} "
-                    f"{r['eval_loss']:>10.3f} {'-' if share is None else f'{100 * share:.1f}%':>10}")
-    rows.append(f"rounds committed: {s['rounds_committed']}   bytes moved: {s['bytes_moved'] / 2**20:.1f} MiB   "
-                f"wall: {s['wall_s']:.0f}s   final-cut digests equal: {s['digests_equal']}")
-    return "\n".join(rows)
+    print(f"summary JSON: {summary['summary_path']}")
+    return 0 if summary["ok"] and summary["digests_equal"] else 1
 
 
 if __name__ == "__main__":

@@ -31,7 +31,20 @@ from diloco.testing.megatron_cpu import BuiltModel, ModelSpec, build_island_mode
 
 log = logging.getLogger(__name__)
 
-EVAL_BATCHES = 4
+EVAL_BATCHES = 16
+"""Held-out batches every run is scored on (the same ones on every island and the baselines)."""
+EVAL_MICRO_BATCH = 16
+"""Rows per held-out batch: 16 x 16 x 64 = 16k tokens, enough that a 1% gap is not noise."""
+HEADS = 4
+"""Attention heads of the demo GPT: a layout's TP must divide it (and QUERY_GROUPS)."""
+QUERY_GROUPS = 2
+"""GQA query groups of the demo GPT."""
+VOCAB_MULTIPLE = 8
+"""The character vocabulary is rounded up to a multiple of this (TP 1, 2, 4, 8 divide it) and the
+model is built with exactly that size: no padding rows. Padding rows are local to an island
+(not canonical, never synced, seeded differently per TP degree), so with them two islands with
+equal digests scored different held-out losses and a TP1 run did not start from a TP2 run's
+weights. The extra rows are canonical, synced like any other, and never occur in the data."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,15 @@ class IslandRun:
     lr: float = 3e-3
     seed: int = 1234
     data_seed: int = 0
+    batch_streams: int = 1
+    """Data streams per step: K > 1 trains on streams data_seed .. data_seed+K-1 together
+    (K x the batch): the data-parallel bound of K islands, which see those streams apart."""
     initial_cut_timeout_s: float = 120.0
+    start_together: int = 0
+    """> 0: after joining, wait until this many islands joined (``start.<id>.ready`` files in
+    out_dir) before the first step. Without it an island whose imports were slower joins
+    after the first rounds, from an already trained cut, and the others' first rounds merge
+    nothing but their own steps."""
     device: str = "cpu"
     """'cpu', or 'cuda' (every rank on the current visible GPU: a 1-GPU machine can host an island)."""
     ranks_per_node: int = 0
@@ -81,19 +102,34 @@ def parse_layout(layout: str) -> tuple[int, int, int]:
     return sizes["tp"], sizes["pp"], sizes["dp"]
 
 
+def check_layout(layout: str, layers: int, hidden: int) -> tuple[int, int, int]:
+    """Parse ``layout`` and check it against the demo GPT; ValueError says what does not fit."""
+    tp, pp, dp = parse_layout(layout)
+    if HEADS % tp or QUERY_GROUPS % tp:
+        raise ValueError(f"layout {layout!r}: tp{tp} must divide the model's {HEADS} heads and "
+                         f"{QUERY_GROUPS} query groups (tp1 or tp2)")
+    if hidden % tp:
+        raise ValueError(f"layout {layout!r}: tp{tp} must divide --hidden {hidden}")
+    if layers % pp:
+        raise ValueError(f"layout {layout!r}: pp{pp} must divide --layers {layers}")
+    return tp, pp, dp
+
+
 class CharData:
     """Character-level tokens of the shipped corpus: a training stream and a held-out tail."""
 
     def __init__(self) -> None:
         text = load_corpus()
         chars = sorted(set(text))
-        self.vocab = len(chars)
+        self.chars = len(chars)
+        self.vocab = -(-self.chars // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         table = {c: i for i, c in enumerate(chars)}
         ids = torch.tensor([table[c] for c in text], dtype=torch.int64)
         cut = int(len(ids) * 0.95)
         self.train, self.held_out = ids[:cut], ids[cut:]
 
     def batch(self, n: int, seq: int, seed: int, held_out: bool = False) -> dict[str, torch.Tensor]:
+        """``n`` random windows of ``seq`` tokens (and next-token labels), reproducible from ``seed``."""
         src = self.held_out if held_out else self.train
         g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(src) - seq - 1, (n,), generator=g)
@@ -106,7 +142,7 @@ def _eval_loss(built: BuiltModel, data: CharData, run: IslandRun) -> float:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    mb, seq = run.micro_batch, run.seq
+    mb, seq = EVAL_MICRO_BATCH, run.seq
     position_ids = torch.arange(seq, device=built.device).unsqueeze(0).expand(mb, seq)
     total = 0.0
     for i in range(EVAL_BATCHES):
@@ -127,6 +163,32 @@ def _eval_loss(built: BuiltModel, data: CharData, run: IslandRun) -> float:
     return total / EVAL_BATCHES
 
 
+def _start_barrier(run: IslandRun, rank: int) -> None:
+    """Rank 0 announces this island and waits for the others' files; then the island's ranks meet."""
+    if rank == 0:
+        with open(os.path.join(run.out_dir, f"start.{run.island_id}.ready"), "w") as fh:
+            fh.write(run.name)
+        deadline = time.monotonic() + run.initial_cut_timeout_s
+        while True:
+            ready = [n for n in os.listdir(run.out_dir) if n.startswith("start.") and n.endswith(".ready")]
+            if len(ready) >= run.start_together:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"start barrier: {len(ready)} of {run.start_together} islands joined within "
+                                   f"{run.initial_cut_timeout_s:.0f}s")
+            time.sleep(0.05)
+        log.info("start barrier: %d islands joined", run.start_together)
+    torch.distributed.barrier()
+
+
+def _train_batch(data: CharData, run: IslandRun, step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch: one stream per island (``data_seed``), K streams side by side for
+    the data-parallel bound, so its batch is exactly what K islands see at that step."""
+    parts = [data.batch(run.micro_batch, run.seq, seed=s * 1_000_003 + step * 101 + dp_rank)
+             for s in range(run.data_seed, run.data_seed + run.batch_streams)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
 def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     run = IslandRun(**run_dict)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {run.name} r{rank} %(levelname)s %(message)s")
@@ -141,8 +203,9 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
 
         gloo_bridge.install(ranks_per_node=run.ranks_per_node)
     data = CharData()
-    spec = ModelSpec(vocab=data.vocab, hidden=run.hidden, layers=run.layers, heads=4, query_groups=2,
-                     ffn=2 * run.hidden, seq=run.seq, micro_batch=run.micro_batch, dtype="bf16", seed=run.seed)
+    spec = ModelSpec(vocab=data.vocab, hidden=run.hidden, layers=run.layers, heads=HEADS, query_groups=QUERY_GROUPS,
+                     ffn=2 * run.hidden, seq=run.seq, micro_batch=run.micro_batch * run.batch_streams, dtype="bf16",
+                     seed=run.seed, vocab_pad_to=VOCAB_MULTIPLE)
     built = build_island_model(spec, tp=tp, pp=pp, lr=run.lr, device=run.device)
     from megatron.core import parallel_state as ps
 
@@ -162,12 +225,13 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
         tokens = run.micro_batch * run.seq * ps.get_data_parallel_world_size()
         island = Island(cfg, built.layout(), tokens_per_step=tokens)
         island.start()
+        if run.start_together > 0:
+            _start_barrier(run, rank)
     progress = open(os.path.join(run.out_dir, f"{run.name}.progress.jsonl"), "w") if rank == 0 else None
     first_loss = last_loss = math.nan
     t0 = time.time()
     for step in range(1, run.steps + 1):
-        seed = run.data_seed * 1_000_003 + step * 101 + dp_rank
-        loss = built.train_step(data.batch(run.micro_batch, run.seq, seed=seed))
+        loss = built.train_step(_train_batch(data, run, step, dp_rank))
         if step == 1:
             first_loss = loss
         last_loss = loss
@@ -186,7 +250,7 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     progress.close()
     return {"name": run.name, "layout": run.layout, "first_loss": first_loss, "train_loss": last_loss,
             "eval_loss": eval_loss, "versions": versions, "digest": digest, "wall_s": time.time() - t0,
-            "steps": run.steps}
+            "steps": run.steps, "data_seed": run.data_seed, "batch_streams": run.batch_streams}
 
 
 def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
@@ -200,6 +264,7 @@ def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m diloco.demo.island``: run one demo island (what ``yeto-demo`` launches)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", required=True)
     p.add_argument("--island-id", type=int, default=0)
@@ -214,14 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--batch-streams", type=int, default=1,
+                   help="train on this many data streams at once (K x the batch; the data-parallel bound)")
+    p.add_argument("--start-together", type=int, default=0,
+                   help="> 0: wait after joining until this many islands joined (files in --out)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--ranks-per-node", type=int, default=0, help="> 0: install the gloo bridge")
     a = p.parse_args(argv)
     run = IslandRun(name=a.name, island_id=a.island_id, layout=a.layout, steps=a.steps, fragments=a.fragments,
                     sync_addr=a.sync_addr, out_dir=a.out, hidden=a.hidden, layers=a.layers, seq=a.seq,
-                    micro_batch=a.micro_batch, lr=a.lr, data_seed=a.data_seed, device=a.device,
-                    ranks_per_node=a.ranks_per_node)
+                    micro_batch=a.micro_batch, lr=a.lr, data_seed=a.data_seed, batch_streams=a.batch_streams,
+                    device=a.device, ranks_per_node=a.ranks_per_node, start_together=a.start_together)
     os.makedirs(a.out, exist_ok=True)
     try:
         run_island(run, timeout_s=a.timeout_s)

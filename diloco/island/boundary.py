@@ -49,6 +49,7 @@ waiting in a collective the others skipped (every wait is bounded by
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -67,9 +68,9 @@ from diloco.island.datapath import DataPath
 from diloco.island.hostmem import tune_malloc
 from diloco.island.orders import Orders, broadcast_orders, exchange_orders
 from diloco.island.transfer import FragmentTransfer
-from diloco.layout.base import LayoutAdapter
-from diloco.plan import FragmentPlan, layout_fingerprint, make_plan
-from diloco.steplog import StepLog, StepRecord
+from diloco.layout.base import LayoutAdapter, group_rank
+from diloco.plan import Assignment, FragmentPlan, layout_fingerprint, make_plan
+from diloco.steplog import BoundaryRecord, StepLog, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class _Staged:
     """How the install writes the masters: cut, progress or blend (see DataPath.install)."""
     seq: int
     """Background job number of the staging."""
+    data_bytes: int
+    """Payload bytes of the received value, as it came (wire dtype; sync rank, 0 elsewhere)."""
 
 
 @dataclass
@@ -114,17 +117,23 @@ class Island:
             (the adapter's collectives and ours must run on one group, in one order).
         tokens_per_step: tokens one optimizer step consumes (weights pushes); falls back to
             ``config.tokens_per_step``, then to 1 (pushes weigh by steps).
+        assignment: an explicit fragment cut, ``{name: fragment}`` or ``fn(name) -> fragment``
+            over the layout's canonical names (see :func:`diloco.plan.make_plan`); None = the
+            default cut. It is part of the layout fingerprint: every island must give the same.
+
+    A one-process island needs no ``init_process_group``: ``TorchLayout(model)`` makes a
+    private 1-rank gloo group when torch.distributed is not initialised.
     """
 
     def __init__(self, config: IslandConfig, layout: LayoutAdapter, *, group: dist.ProcessGroup | None = None,
-                 tokens_per_step: int | None = None) -> None:
+                 tokens_per_step: int | None = None, assignment: Assignment | None = None) -> None:
         self.cfg = config
         if config.tune_malloc:
             tune_malloc()
         self.group = group if group is not None else layout.group
-        self.rank = dist.get_rank(self.group)
+        self.rank = group_rank(self.group)
         self.is_sync = self.rank == config.sync_rank
-        self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments)
+        self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments, assignment)
         self.fingerprint = layout_fingerprint(self.plan)
         timeout = timedelta(seconds=config.transfer_timeout_s)
         self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank, timeout=timeout)
@@ -133,6 +142,8 @@ class Island:
         self.bg = Background(f"yeto-data-{self.rank}", config.pushes_in_flight, config.transfer_timeout_s)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
         n = self.plan.n_fragments
+        self.plan_numel = [sum(s.numel for s in self.plan.specs_of(f)) for f in range(n)]
+        """Elements per fragment (a push moves ``numel x wire itemsize`` payload bytes)."""
         # Identical on every rank: updated only from exchanged orders.
         self.versions = [-1] * n
         self.applied_round = [0] * n
@@ -153,12 +164,16 @@ class Island:
         self._decisions = 0
         self._pending: dict[int, PendingBcast] = {}
         self._pushed_at: dict[tuple[int, int], int] = {}
-        self._sent: collections.deque[tuple[int, int, int, bool]] = collections.deque()
-        """(fragment, round, local_steps, accepted) of background pushes handed to the client."""
+        self._sent: collections.deque[tuple[int, int, int, int, int, bool]] = collections.deque()
+        """(fragment, round, attempt, local_steps, data_bytes, accepted) of background pushes
+        handed to the client (appended by the worker, taken by the training thread)."""
+        self._late_events: list[dict] = []
+        """Events learned after their boundary (a push the client dropped), for the next record."""
         self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
         self._counters = _Counters()
         self._last_end = time.monotonic()
-        self._sent0 = self._recv0 = 0
+        self._ctrl0 = (0, 0)
+        self._wire_itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
 
     @property
     def steps_since_apply(self) -> list[int]:
@@ -166,12 +181,16 @@ class Island:
         return self.unmerged_steps
 
     # ------------------------------------------------------------------ start-up
-    def start(self) -> None:
-        """Connect, stream INIT if asked, install the initial cut (collective)."""
+    def start(self) -> BoundaryRecord:
+        """Connect, stream INIT if asked, install the initial cut (collective).
+
+        Returns what start-up did (phase ``"start"``; also the step log's first record)."""
+        t0 = time.monotonic()
+        events: list[dict] = []
         need_init = False
         error: str | None = None
         if self.is_sync:
-            self.client = SyncClient(self.cfg, self.fingerprint, self.plan.n_fragments)
+            self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan))
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
@@ -183,12 +202,13 @@ class Island:
                                   self.cfg.sync_rank)
         self._raise_if(orders)
         if orders.init:
-            self._stream_init()
+            self._stream_init(events)
+        apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
-            self._install_initial_cut(self.cfg.initial_cut_timeout_s)
-        self._last_end = time.monotonic()
+            apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
+        return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
 
-    def _stream_init(self) -> None:
+    def _stream_init(self, events: list[dict]) -> None:
         """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
         inflight: collections.deque = collections.deque()
         t0 = time.monotonic()
@@ -207,6 +227,8 @@ class Island:
             if self.is_sync:
                 assert self.client is not None and values is not None
                 inflight.append(self.client.send_init(f, values))
+                events.append({"type": "init", "fragment": f,
+                               "data_bytes": sum(t.numel() * t.element_size() for _, t in values)})
                 del values
                 sent += self.plan.nbytes(f)
                 log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
@@ -219,9 +241,11 @@ class Island:
         self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                         self.cfg.sync_rank))
 
-    def _install_initial_cut(self, timeout_s: float) -> None:
-        """Before the first step: install each cut fragment as it lands, collectively."""
+    def _install_initial_cut(self, timeout_s: float, events: list[dict]) -> float:
+        """Before the first step: install each cut fragment as it lands, collectively.
+        Returns the seconds spent applying."""
         deadline = time.monotonic() + timeout_s
+        apply_s = 0.0
         while True:
             orders = None
             if self.is_sync:
@@ -244,17 +268,20 @@ class Island:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
-            self._apply_sync(orders)
+            apply_s += self._apply_sync(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(v >= 0 for v in self.versions)
                 log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
                          timeout_s - max(0.0, deadline - time.monotonic()))
             if orders.stop:
-                return
+                return apply_s
 
     # ------------------------------------------------------------------ step boundary
-    def step_end(self, step: int, loss: float | None = None) -> None:
-        """The step boundary (every rank, right after ``optimizer.step()``)."""
+    def step_end(self, step: int, loss: float | None = None) -> BoundaryRecord:
+        """The step boundary (every rank, right after ``optimizer.step()``).
+
+        Returns what the boundary did: fragments pushed and applied, versions, seconds the
+        loop was blocked, payload bytes (the same values the step log records)."""
         t0 = time.monotonic()
         step_s = t0 - self._last_end
         self.step = step
@@ -276,7 +303,7 @@ class Island:
         apply_s = self._install_all(orders, events)
         self._stage_all(orders)
         export_s = self._push_all(orders, events)
-        self._end_boundary(step, t0, step_s, export_s, apply_s, wait_s, events, loss)
+        return self._end_boundary("train", step, t0, step_s, export_s, apply_s, wait_s, events, loss)
 
     def _exchange(self, orders: Orders | None) -> Orders:
         """Orders from the sync rank, and agreement on the background workers (collective)."""
@@ -314,13 +341,23 @@ class Island:
                 self._parked_at[p.fragment] = self._decisions
             self._counters.round, self._counters.attempt = max(
                 (self._counters.round, self._counters.attempt), (p.round, p.attempt))
+        self._take_sent()
+
+    def _take_sent(self) -> None:
+        """Sync rank: the outcome of background pushes handed to the client since last time.
+
+        A push's event is written at its boundary, before the client has it (the bytes it
+        will send: numel x wire itemsize, 0 for a zero-weight push). One the send queue
+        refused is reported by a ``push_dropped`` event in the next record, carrying the
+        ``data_bytes`` that did not move, and its steps are unmerged again (the syncer re-pulls)."""
         while self._sent:
-            f, rnd, steps, accepted = self._sent.popleft()
+            f, rnd, attempt, steps, data_bytes, accepted = self._sent.popleft()
             if accepted:
-                self._counters.pushes += 1
-                self._pushed_at[(f, rnd)] = self.step
-            else:
-                self.unmerged_steps[f] += steps  # dropped: those steps are still unmerged
+                continue
+            self.unmerged_steps[f] += steps
+            self._pushed_at.pop((f, rnd), None)
+            self._late_events.append({"type": "push_dropped", "fragment": f, "round": rnd, "attempt": attempt,
+                                      "local_steps": steps, "data_bytes": data_bytes})
 
     def _decide(self, finishing: bool) -> Orders:
         """The sync rank's orders: install what is staged everywhere, stage what arrived, push."""
@@ -380,7 +417,7 @@ class Island:
             self.data.install(f, st.mode, self.cfg.alpha)
             self._snap_round.pop(f, None)
             self._after_apply(f, version, rnd, cut, st.mode == "progress", events,
-                              {"bytes": self.plan.nbytes(f), "mode": st.mode})
+                              {"data_bytes": st.data_bytes, "mode": st.mode})
         if orders.applies:
             # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
             self.transfer.refresh(f for f, *_ in orders.applies)
@@ -393,8 +430,6 @@ class Island:
         self.applied_round[f] = rnd if cut else max(self.applied_round[f], rnd)
         if not progress:
             self.unmerged_steps[f] = 0  # the local value was replaced (or blended): nothing unmerged
-        if not self.is_sync:
-            return
         if cut:
             events.append({"type": "cut", "fragment": f, "version": version, **extra})
         else:
@@ -407,13 +442,14 @@ class Island:
         """Start the background scatter of newly received global values."""
         for f, version, rnd, cut in orders.stages:
             values = self._pending.pop(f).tensors if self.is_sync else None
+            data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
             snap = self._snap_round.get(f)
             progress = (not cut and self.cfg.apply_mode == "progress" and snap is not None and snap <= rnd)
             mode = "cut" if cut else "progress" if progress else "blend"
             seq = self.bg.submit("stage", f"staging of fragment {f} version {version}",
                                  functools.partial(self.data.stage, f, values, progress))
             del values
-            self._staging[f] = _Staged(version, rnd, cut, mode, seq)
+            self._staging[f] = _Staged(version, rnd, cut, mode, seq, data_bytes)
 
     def _push_all(self, orders: Orders, events: list[dict]) -> float:
         """Snapshot each pushed fragment (training thread) and hand the rest to the background."""
@@ -429,51 +465,88 @@ class Island:
                 # committed nothing): the anchor did not move, so those steps are still unmerged.
                 self.unmerged_steps[f] += self._snap_steps.get(f, 0)
             self.data.snapshot(f)
+            self._counters.pushes += 1
             steps, self.unmerged_steps[f] = self.unmerged_steps[f], 0
             self._snap_round[f], self._snap_steps[f] = rnd, steps
             base = self.versions[f]
-            self._push_seq[f] = self.bg.submit("push", f"push of fragment {f} round {rnd}", functools.partial(
-                self._push_job, f, wire.Pull(fragment=f, round=rnd, attempt=attempt), base, steps))
+            # What the client will put on the wire: the payload in the wire dtype (a zero-weight
+            # push travels bare); counted by the sync rank, which queues it.
+            data_bytes = self.plan_numel[f] * self._wire_itemsize if self.is_sync and steps else 0
             if self.is_sync:
-                events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt, "base_version": base,
-                               "bytes": self.plan.nbytes(f), "local_steps": steps,
-                               "snapshot_bytes": self.data.share_nbytes(f)})
+                self._pushed_at[(f, rnd)] = self.step
+            self._push_seq[f] = self.bg.submit("push", f"push of fragment {f} round {rnd}", functools.partial(
+                self._push_job, f, wire.Pull(fragment=f, round=rnd, attempt=attempt), base, steps, data_bytes))
+            events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt, "base_version": base,
+                           "local_steps": steps, "data_bytes": data_bytes, "dropped": False,
+                           "snapshot_bytes": self.data.share_nbytes(f)})
         return time.monotonic() - t0
 
-    def _push_job(self, f: int, pull: wire.Pull, base_version: int, steps: int) -> None:
-        """Background: the delta of the snapshot, gathered to the sync rank, handed to the client."""
+    def _push_job(self, f: int, pull: wire.Pull, base_version: int, steps: int, data_bytes: int) -> None:
+        """Background: the delta of the snapshot, gathered to the sync rank, handed to the client.
+
+        The delta lives in pooled buffers that return to the pool only when the last
+        reference dies, so the client may keep reading it after this job ended (the event
+        ``push`` returns is not needed to guard a reuse)."""
         delta = self.data.gather_delta(f)
         if not self.is_sync:
             return
         assert self.client is not None and delta is not None
         accepted = self.client.push(pull, base_version, steps, steps * self.tokens_per_step, delta)
-        self._sent.append((f, pull.round, steps, bool(accepted)))
+        del delta
+        self._sent.append((f, pull.round, pull.attempt, steps, data_bytes, accepted is not None))
 
-    def _apply_sync(self, orders: Orders) -> None:
-        """Start-up only (nothing in the background yet): install cut fragments synchronously."""
+    def _apply_sync(self, orders: Orders, events: list[dict]) -> float:
+        """Start-up only (nothing in the background yet): install cut fragments synchronously.
+        Returns the seconds spent."""
+        t0 = time.monotonic()
         for f, version, rnd, cut in orders.applies:
-            values = _fp32(self._pending.pop(f).tensors) if self.is_sync else None
+            values = None
+            data_bytes = 0
+            if self.is_sync:
+                received = self._pending.pop(f).tensors
+                data_bytes = sum(t.numel() * t.element_size() for _, t in received)  # as it came, wire dtype
+                values = _fp32(received)
+                del received
             self.transfer.apply_fragment(f, values, alpha=0.0 if cut else self.cfg.alpha, refresh=False)
             del values
             self._snap_round.pop(f, None)
-            self._after_apply(f, version, rnd, cut, False, [], {})
+            self._after_apply(f, version, rnd, cut, False, events, {"data_bytes": data_bytes})
         if orders.applies:
             self.transfer.refresh(f for f, *_ in orders.applies)
+        return time.monotonic() - t0
 
-    def _end_boundary(self, step: int, t0: float, step_s: float, export_s: float, apply_s: float, wait_s: float,
-                      events: list[dict], loss: float | None) -> None:
+    def _end_boundary(self, phase: str, step: int, t0: float, step_s: float, export_s: float, apply_s: float,
+                      wait_s: float, events: list[dict], loss: float | None) -> BoundaryRecord:
+        """Close a boundary: the record every rank returns, and the sync rank's step-log line."""
         end = time.monotonic()
         self._last_end = end
+        if self.is_sync:
+            self._take_sent()
+            if self._late_events:
+                events[:0] = self._late_events
+                self._late_events = []
+        record = BoundaryRecord(
+            step=step, phase=phase,
+            pushed=tuple(e["fragment"] for e in events if e["type"] == "push"),
+            applied=tuple(e["fragment"] for e in events if e["type"] == "apply"),
+            installed=tuple(e["fragment"] for e in events if e["type"] == "cut")
+            + (tuple(range(self.plan.n_fragments)) if any(e["type"] == "final" for e in events) else ()),
+            versions=tuple(self.versions), blocked_s=end - t0,
+            data_bytes_sent=sum(e["data_bytes"] for e in events if e["type"] in ("push", "init")),
+            data_bytes_recv=sum(e["data_bytes"] for e in events if e["type"] in ("apply", "cut", "final")),
+            pushes=self._counters.pushes, applies=self._counters.applies)
         if self._steplog is None or self.client is None:
-            return
-        sent, recv = self.client.stats.bytes_sent, self.client.stats.bytes_recv
+            return record
+        st = self.client.stats
+        ctrl = (st.control_bytes_sent, st.control_bytes_recv)
         self._steplog.record(StepRecord(
-            step=step, time=time.time(), step_s=step_s, boundary_s=end - t0, export_s=export_s, apply_s=apply_s,
-            wait_s=wait_s, bytes_sent=sent - self._sent0, bytes_recv=recv - self._recv0,
-            pushes=self._counters.pushes, applies=self._counters.applies, versions=list(self.versions),
+            **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)},
+            time=time.time(), step_s=step_s, export_s=export_s, apply_s=apply_s, wait_s=wait_s,
+            control_bytes_sent=ctrl[0] - self._ctrl0[0], control_bytes_recv=ctrl[1] - self._ctrl0[1],
             round=self._counters.round, attempt=self._counters.attempt, events=events, loss=loss,
             island=self.cfg.island_id))
-        self._sent0, self._recv0 = sent, recv
+        self._ctrl0 = ctrl
+        return record
 
     # ------------------------------------------------------------------ finalization
     def finish(self) -> list[int]:
@@ -500,7 +573,7 @@ class Island:
                 apply_s += self._install_final(events)
                 acked = True
             if events:
-                self._end_boundary(self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
+                self._end_boundary("finish", self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
             if orders.stop:
                 break
         self._drain("shutdown")
@@ -550,9 +623,11 @@ class Island:
     def _install_final(self, events: list[dict]) -> float:
         t0 = time.monotonic()
         finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
+        data_bytes = 0
         for f in range(self.plan.n_fragments):
             values = None
             if finals is not None:
+                data_bytes += sum(t.numel() * t.element_size() for _, t in finals[f][1])
                 values = _fp32(finals[f][1])
             self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
         self.transfer.refresh(range(self.plan.n_fragments))
@@ -563,7 +638,8 @@ class Island:
         self.versions = [int(v) for v in vers]
         if self.is_sync and self.client is not None:
             self.client.send_final_ack(self.versions)
-            events.append({"type": "final", "versions": list(self.versions)})
+        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
+        if self.is_sync:
             log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
         return time.monotonic() - t0
 
@@ -596,13 +672,22 @@ class Island:
 def _data_group(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
     """The background data path's own gloo group over the island's ranks (same group ranks).
 
-    Collective: every rank of the job calls it, in the same order (``Island.__init__``)."""
-    world = dist.get_world_size()
+    Collective: every rank of the job calls it, in the same order (``Island.__init__``).
+    A one-process island gets a private 1-rank gloo group (no default group needed, none
+    touched: see :func:`diloco.layout.base.island_group`)."""
     size = dist.get_world_size(group)
+    if size == 1:
+        return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout)
+    world = dist.get_world_size()
     ranks = None if size == world else [dist.get_global_rank(group, r) for r in range(size)]
     new = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
     assert new is not None
     return new
+
+
+def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:
+    """The flat stream of every fragment (names and global shapes in plan order)."""
+    return [wire.FragmentLayout.of([(s.name, s.shape) for s in plan.specs_of(f)]) for f in range(plan.n_fragments)]
 
 
 def _fp32(tensors: Tensors) -> Tensors:

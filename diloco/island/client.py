@@ -14,15 +14,25 @@ boundary asks for it:
   carries the whole global value);
 * the final cut, shutdown and errors.
 
+Fragments travel as **parts** (``diloco.wire.parts``): INIT and PUSH streams are cut
+into parts of the syncer's size and paced (``diloco.wire.pacing``) so that at most a few
+parts sit in zmq's queue and a heartbeat never waits behind a whole fragment; BCAST and
+FINAL parts are checked against the plan and assembled into one pooled flat buffer per
+fragment, handed to the boundary only once complete.  Any message from the syncer counts
+as hearing from it, so a slow multi-GB transfer never looks like silence.
+
 On a socket error, a long silence, or a syncer that restarted (a new ``syncer_id``), the
 client redials with backoff under a **new generation**: the syncer then refuses anything
 still in flight from the old connection, which is what keeps a half-sent push from being
-merged twice.
+merged twice.  INIT streams restart from part 0 on the new connection; pushes are
+dropped (the syncer pulls again).
+
+The I/O thread never dies silently: anything unexpected on it becomes a fatal
+:class:`SyncError` that the boundary raises on every rank.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import random
@@ -36,6 +46,7 @@ import zmq
 
 from diloco import wire
 from diloco.config import IslandConfig
+from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +54,15 @@ Tensors = list[tuple[str, torch.Tensor]]
 
 _POLL_MS = 50
 _FATAL_CODES = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", "fragments_mismatch",
-                          "bad_fingerprint", "bad_fragments", "bad_dtype", "finished"})
+                          "bad_fingerprint", "bad_fragments", "bad_dtype", "finished", "fragment_too_large",
+                          "bad_init"})
 """ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
 _REJOIN_CODES = frozenset({"not_bound", "unknown_generation"})
 """ERROR codes meaning the syncer lost our binding (it restarted): say HELLO again."""
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 10.0
+_WINDOW = 2
+"""Parts of our streams that zmq may hold at once (see ``diloco.wire.pacing``)."""
 
 
 class SyncError(RuntimeError):
@@ -68,10 +82,19 @@ class PendingBcast:
 
 @dataclass
 class ClientStats:
-    """Byte and message counters, read by the step log (monotonic; the reader diffs them)."""
+    """Byte and message counters, read by the step log (monotonic; the reader diffs them).
+
+    ``data_*`` count tensor payload bytes (INIT/PUSH sent, BCAST/FINAL received);
+    ``control_*`` everything else (MACs, headers, heartbeats); ``bytes_*`` are the sums.
+    ``push_bytes_sent`` is the payload of PUSH parts only, in the wire dtype."""
 
     bytes_sent: int = 0
     bytes_recv: int = 0
+    data_bytes_sent: int = 0
+    data_bytes_recv: int = 0
+    control_bytes_sent: int = 0
+    control_bytes_recv: int = 0
+    push_bytes_sent: int = 0
     messages_sent: int = 0
     messages_recv: int = 0
     pushes_dropped: int = 0
@@ -81,10 +104,22 @@ class ClientStats:
 
 @dataclass
 class _Outgoing:
+    """A control message, or (``tensors`` given) a fragment stream to cut into parts."""
+
     header: wire.Header
     tensors: Tensors = field(default_factory=list)
     wire_dtype: str | None = None
     sent: threading.Event | None = None
+    stream: Stream | None = None
+
+
+@dataclass
+class _Assembly:
+    """A BCAST or FINAL arriving part by part into one flat buffer."""
+
+    header: wire.Bcast | wire.Final
+    flat: torch.Tensor
+    next_part: int = 0
 
 
 class SyncClient:
@@ -93,20 +128,25 @@ class SyncClient:
     Args:
         config: the island's configuration (address, id, key, wire dtype, timeouts).
         fingerprint: the layout fingerprint (hex) of this island's fragment plan.
-        n_fragments: fragments in the plan.
+        layouts: the flat stream of every fragment of the plan (names and global shapes
+            in plan order), to cut pushes into parts and check received ones.
     """
 
-    def __init__(self, config: IslandConfig, fingerprint: str, n_fragments: int) -> None:
+    def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout]) -> None:
         self._cfg = config
         self._fingerprint = fingerprint
-        self._n_fragments = n_fragments
+        self._layouts = list(layouts)
+        self._n_fragments = n_fragments = len(self._layouts)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._outbox: queue.Queue[_Outgoing] = queue.Queue(maxsize=config.send_queue)
+        self._control: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.stats = ClientStats()
+        self.pool = wire.HostBufferPool(max_idle_bytes=2 * max((lay.numel * 4 for lay in self._layouts), default=0))
         # State shared with the training thread, guarded by _lock.
         self._welcome: wire.Welcome | None = None
+        self._part_elems = wire.DEFAULT_PART_ELEMS
         self._generation = 0
         self._syncer_id: int | None = None
         self._pulls: dict[tuple[int, int], wire.Pull] = {}
@@ -118,6 +158,9 @@ class SyncClient:
         self._fatal: str | None = None
         self._step = 0
         self._done = False
+        # I/O thread only.
+        self._assembling: dict[tuple[str, int], _Assembly] = {}
+        self._streams: list[_Outgoing] = []
         self._thread = threading.Thread(target=self._run, name=f"yeto-client-{config.island_id}", daemon=True)
         self._thread.start()
 
@@ -148,19 +191,26 @@ class SyncClient:
         self._outbox.put(_Outgoing(header, tensors, "float32", done), timeout=self._cfg.connect_timeout_s)
         return done
 
-    def push(self, pull: wire.Pull, base_version: int, local_steps: int, tokens: int, delta: Tensors) -> bool:
-        """Queue a PUSH answering ``pull``; False (and a warning) if the queue is full."""
+    def push(self, pull: wire.Pull, base_version: int, local_steps: int, tokens: int,
+             delta: Tensors) -> threading.Event | None:
+        """Queue a PUSH answering ``pull``; thread-safe, never blocks.
+
+        Returns an event set once the client no longer reads ``delta`` (every part sent, or
+        the push abandoned on a redial), or None (and a warning) if the queue is full.  A
+        push with ``local_steps == 0`` weighs nothing and travels without tensors.
+        """
         header = wire.Push(island=self._cfg.island_id, generation=self._generation, fragment=pull.fragment,
                            round=pull.round, attempt=pull.attempt, base_version=base_version,
-                           local_steps=local_steps, tokens=tokens)
+                           local_steps=local_steps, tokens=tokens, n_parts=0 if local_steps == 0 else 1)
+        done = threading.Event()
         try:
-            self._outbox.put_nowait(_Outgoing(header, delta, self._cfg.wire_dtype))
+            self._outbox.put_nowait(_Outgoing(header, delta if local_steps else [], self._cfg.wire_dtype, done))
         except queue.Full:
             self.stats.pushes_dropped += 1
             log.warning("island %d: send queue full, dropped push of fragment %d round %d attempt %d "
                         "(the syncer will re-pull it)", self._cfg.island_id, pull.fragment, pull.round, pull.attempt)
-            return False
-        return True
+            return None
+        return done
 
     def report_step(self, step: int, done: bool = False) -> None:
         """Tell the syncer our step (rounds open by step); cheap, never blocks."""
@@ -173,7 +223,7 @@ class SyncClient:
     def send_final_ack(self, versions: list[int]) -> None:
         """Acknowledge the installed final cut."""
         header = wire.FinalAck(island=self._cfg.island_id, generation=self._generation, versions=tuple(versions))
-        self._outbox.put(_Outgoing(header), timeout=self._cfg.final_timeout_s)
+        self._control.put(_Outgoing(header))
 
     def take_ready_pulls(self) -> list[wire.Pull]:
         """Pulls to answer, oldest round first: per (fragment, round) the newest attempt,
@@ -231,7 +281,8 @@ class SyncClient:
     def close(self, linger_s: float = 5.0) -> None:
         """Flush what is queued (up to ``linger_s``) and stop the I/O thread."""
         deadline = time.monotonic() + linger_s
-        while not self._outbox.empty() and time.monotonic() < deadline and self._thread.is_alive():
+        while ((not self._outbox.empty() or not self._control.empty() or self._streams)
+               and time.monotonic() < deadline and self._thread.is_alive()):
             time.sleep(0.01)
         self._stop.set()
         self._thread.join(timeout=linger_s + 1.0)
@@ -245,10 +296,7 @@ class SyncClient:
         with self._lock:
             hb = wire.Heartbeat(island=self._cfg.island_id, generation=self._generation, step=self._step,
                                 done=self._done)
-        try:
-            self._outbox.put_nowait(_Outgoing(hb))
-        except queue.Full:
-            pass  # the periodic heartbeat carries the step soon enough
+        self._control.put(_Outgoing(hb))
 
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
         gen = random.getrandbits(63) or 1
@@ -256,31 +304,43 @@ class SyncClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())
         sock.setsockopt(zmq.SNDHWM, 64)
-        sock.setsockopt(zmq.RCVHWM, 256)
+        sock.setsockopt(zmq.RCVHWM, 8)  # parts of tens of MiB: bound what zmq holds for us
         sock.connect(self._cfg.sync_addr)
         with self._lock:
             self._generation = gen
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=gen,
                            fingerprint=self._fingerprint, n_fragments=self._n_fragments,
-                           wire_dtype=self._cfg.wire_dtype)
+                           wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts))
         sock.send_multipart(wire.encode(hello, key=self._cfg.key), copy=False)
         log.info("island %d: HELLO to %s (generation %x)", self._cfg.island_id, self._cfg.sync_addr, gen)
         return sock
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - never die silently: the boundary raises it on every rank
+            log.exception("island %d: the client's I/O thread failed", self._cfg.island_id)
+            with self._lock:
+                self._fatal = f"the sync client's I/O thread failed: {type(exc).__name__}: {exc}"
+                self._wake.notify_all()
+            for out in self._streams:
+                if out.sent is not None:
+                    out.sent.set()
+
+    def _serve(self) -> None:
         ctx = zmq.Context()
         backoff = _BACKOFF_START_S
         sock = self._new_socket(ctx)
+        pacer = self._new_pacer(sock)
         last_heard = time.monotonic()
         last_beat = 0.0
-        held: collections.deque[_Outgoing] = collections.deque()
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now - last_heard > self._cfg.sync_timeout_s:
                     log.warning("island %d: no word from the syncer for %.0fs, redialing", self._cfg.island_id,
                                 now - last_heard)
-                    sock = self._redial(ctx, sock, backoff)
+                    sock, pacer = self._redial(ctx, sock, backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     last_heard = time.monotonic()
                     continue
@@ -288,25 +348,50 @@ class SyncClient:
                     self._enqueue_heartbeat()
                     last_beat = now
                 try:
-                    sock = self._send_some(sock, held)
-                    if sock.poll(_POLL_MS, zmq.POLLIN):
-                        frames = sock.recv_multipart(copy=False)
-                        last_heard = time.monotonic()
-                        if self._on_frames(frames):
-                            sock = self._redial(ctx, sock, 0.0)
+                    self._send_some(sock, pacer)
+                    wait_ms = 1 if self._streams else _POLL_MS
+                    if sock.poll(wait_ms, zmq.POLLIN):
+                        for _ in range(16):
+                            try:
+                                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
                             last_heard = time.monotonic()
-                        else:
+                            if self._on_frames(frames):
+                                sock, pacer = self._redial(ctx, sock, 0.0)
+                                last_heard = time.monotonic()
+                                break
                             backoff = _BACKOFF_START_S
                 except zmq.ZMQError as exc:
                     log.warning("island %d: socket error %s, redialing", self._cfg.island_id, exc)
-                    sock = self._redial(ctx, sock, backoff)
+                    sock, pacer = self._redial(ctx, sock, backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     last_heard = time.monotonic()
         finally:
             sock.close(linger=0)
             ctx.term()
 
-    def _redial(self, ctx: zmq.Context, sock: zmq.Socket, delay_s: float) -> zmq.Socket:
+    def _new_pacer(self, sock: zmq.Socket) -> Pacer:
+        def send(_dest: bytes, frames: list, track: bool) -> object:
+            return sock.send_multipart(frames, copy=False, track=track, flags=zmq.NOBLOCK)
+
+        pacer = Pacer(_WINDOW, send)
+        # INIT streams survive a redial (restarted from part 0); pushes do not: the syncer
+        # pulls again once it knows our new generation.
+        keep = []
+        for out in self._streams:
+            if isinstance(out.header, wire.Init) and out.stream is not None:
+                out.stream = self._make_stream(out)
+                pacer.add(b"", out.stream)
+                keep.append(out)
+            else:
+                out.stream, out.tensors = None, []
+                if out.sent is not None:
+                    out.sent.set()
+        self._streams = keep
+        return pacer
+
+    def _redial(self, ctx: zmq.Context, sock: zmq.Socket, delay_s: float) -> tuple[zmq.Socket, Pacer]:
         sock.close(linger=0)
         self.stats.redials += 1
         if delay_s > 0:
@@ -317,36 +402,79 @@ class SyncClient:
             # lost with the old socket must be answered again, so forget what was taken.
             self._pulls.clear()
             self._pulls_taken.clear()
-        return self._new_socket(ctx)
+        self._assembling.clear()
+        sock = self._new_socket(ctx)
+        return sock, self._new_pacer(sock)
 
-    def _send_some(self, sock: zmq.Socket, held: collections.deque[_Outgoing]) -> zmq.Socket:
-        """Send queued messages without blocking; stamp the current generation on them.
+    def _make_stream(self, out: _Outgoing) -> Stream:
+        """Cut a queued INIT/PUSH into parts; each part's header carries the current generation."""
+        layout = self._layouts[out.header.fragment]  # type: ignore[union-attr]
+        E = self._part_elems
+        n = layout.n_parts(E)
+        schema = tuple(zip(layout.names, layout.shapes))
 
-        A message queued under an older generation is stamped anew: the syncer judges a
-        push by (round, attempt), and refusing it as old-generation would only waste it.
-        """
-        for _ in range(64):
-            if held:
-                out = held.popleft()
+        def frames_of(k: int) -> list:
+            if isinstance(out.header, wire.Init):
+                header: wire.Header = msgspec.structs.replace(
+                    out.header, generation=self.generation, part=k, n_parts=n, schema=schema if k == 0 else ())
             else:
-                try:
-                    out = self._outbox.get_nowait()
-                except queue.Empty:
-                    return sock
-            header = self._restamp(out.header)
-            frames = wire.encode(header, out.tensors, key=self._cfg.key, wire_dtype=out.wire_dtype)
+                header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
+            payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype)
+            if isinstance(out.header, wire.Push):
+                self.stats.push_bytes_sent += payload.nbytes
+            return wire.seal(header, payload, key=self._cfg.key)
+
+        return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
+
+    def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
+        """Send control messages at once, start queued streams, top up the stream window."""
+        while True:
             try:
-                tracker = sock.send_multipart(frames, copy=False, track=out.sent is not None, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                held.appendleft(out)
-                return sock
-            if out.sent is not None:
-                if tracker is not None:
-                    tracker.wait(self._cfg.connect_timeout_s)
-                out.sent.set()
-            self.stats.messages_sent += 1
-            self.stats.bytes_sent += sum(len(memoryview(f)) for f in frames)
-        return sock
+                ctl = self._control.get_nowait()
+            except queue.Empty:
+                break
+            self._send_control(sock, self._restamp(ctl.header), ctl)
+        while self._welcome is not None and len(self._streams) < 2:
+            try:
+                out = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(out.header, wire.Push) and out.header.n_parts == 0:
+                self._send_control(sock, self._restamp(out.header), out)  # zero weight: no tensors
+                continue
+            out.stream = self._make_stream(out)
+            pacer.add(b"", out.stream)
+            self._streams.append(out)
+        before = {id(o.stream): (o.stream.data_bytes, o.stream.control_bytes) for o in self._streams if o.stream}
+        pacer.pump()
+        still = []
+        for out in self._streams:
+            assert out.stream is not None
+            d0, c0 = before.get(id(out.stream), (0, 0))
+            self._count_sent(out.stream.data_bytes - d0, out.stream.control_bytes - c0)
+            if out.stream.done.is_set():
+                self.stats.messages_sent += out.stream.n_parts
+                # Break the out <-> stream cycle now, so the tensors die by refcount (the caller
+                # bounds memory by waiting on ``sent``), not at the next garbage collection.
+                out.stream, out.tensors = None, []
+                if out.sent is not None:
+                    out.sent.set()
+            else:
+                still.append(out)
+        self._streams = still
+
+    def _send_control(self, sock: zmq.Socket, header: wire.Header, out: _Outgoing) -> None:
+        frames = wire.encode(header, key=self._cfg.key)
+        sock.send_multipart(frames, copy=False)
+        self.stats.messages_sent += 1
+        self._count_sent(0, sum(len(memoryview(f)) for f in frames))
+        if out.sent is not None:
+            out.sent.set()
+
+    def _count_sent(self, data: int, control: int) -> None:
+        self.stats.data_bytes_sent += data
+        self.stats.control_bytes_sent += control
+        self.stats.bytes_sent += data + control
 
     def _restamp(self, header: wire.Header) -> wire.Header:
         """Stamp the current generation on an island message at send time.
@@ -370,17 +498,39 @@ class SyncClient:
         try:
             return self._handle(frames)
         finally:
+            total = sum(len(f.buffer) for f in frames)
+            data = sum(len(f.buffer) for f in frames[2:])
             self.stats.messages_recv += 1
-            self.stats.bytes_recv += sum(len(f.buffer) for f in frames)
+            self.stats.bytes_recv += total
+            self.stats.data_bytes_recv += data
+            self.stats.control_bytes_recv += total - data
 
     def _handle(self, frames: list[zmq.Frame]) -> bool:
         try:
-            msg = wire.decode(frames, key=self._cfg.key)
+            opened = wire.open_message(frames, key=self._cfg.key)
         except wire.WireError as exc:
             self.stats.refused += 1
             log.warning("island %d: refused a message from the syncer: %s", self._cfg.island_id, exc.reason)
             return False
-        h = msg.header
+        h = opened.header
+        if isinstance(h, (wire.Bcast, wire.Final)):
+            try:
+                got = self._assemble(h, opened)
+            except wire.WireError as exc:
+                self.stats.refused += 1
+                self._assembling.pop((wire.kind_of(h), h.fragment), None)
+                log.warning("island %d: refused %s part %d of fragment %d: %s", self._cfg.island_id,
+                            wire.kind_of(h), h.part, h.fragment, exc.reason)
+                return False
+            if got is None:
+                return False
+            h, tensors = got
+        else:
+            if opened.metas:
+                self.stats.refused += 1
+                log.warning("island %d: refused %s carrying tensors", self._cfg.island_id, wire.kind_of(h))
+                return False
+            tensors = []
         with self._lock:
             if isinstance(h, wire.Welcome):
                 return self._on_welcome(h)
@@ -393,12 +543,9 @@ class SyncClient:
             if isinstance(h, wire.Pull):
                 self._on_pull(h)
             elif isinstance(h, wire.Bcast):
-                self._on_bcast(h, msg.tensors)
+                self._on_bcast(h, tensors)
             elif isinstance(h, wire.Final):
-                if not 0 <= h.fragment < self._n_fragments:
-                    log.warning("island %d: FINAL for unknown fragment %d ignored", self._cfg.island_id, h.fragment)
-                else:
-                    self._final[h.fragment] = (h, msg.tensors)
+                self._final[h.fragment] = (h, tensors)
             elif isinstance(h, wire.Shutdown):
                 log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
                 self._shutdown = h.reason or "shutdown"
@@ -416,10 +563,43 @@ class SyncClient:
             self._wake.notify_all()
         return False
 
+    def _assemble(self, h: wire.Bcast | wire.Final, opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors] | None:
+        """Place one BCAST/FINAL part; the whole fragment once its last part is in (else None).
+
+        Parts of one stream arrive in order on our connection; a part 0 of a newer
+        version replaces an unfinished older one (the newer value supersedes it)."""
+        if not 0 <= h.fragment < self._n_fragments or h.version < 0:
+            raise wire.WireError(f"fragment {h.fragment} / version {h.version} outside the plan")
+        kind = wire.kind_of(h)
+        dtype = "float32" if isinstance(h, wire.Final) else self._cfg.wire_dtype
+        layout = self._layouts[h.fragment]
+        problem = layout.check_part(opened.metas, h.part, h.n_parts, self._part_elems, dtype)
+        if problem:
+            raise wire.WireError(problem)
+        key = (kind, h.fragment)
+        asm = self._assembling.get(key)
+        if h.part == 0:
+            asm = self._assembling[key] = _Assembly(h, self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype]))
+        elif asm is None or asm.next_part != h.part or asm.header.version != h.version:
+            raise wire.WireError(f"part {h.part} of version {h.version} out of order")
+        lo, _hi = layout.part_range(h.part, self._part_elems)
+        dests, pos = [], lo
+        for meta in opened.metas:
+            n = meta.shape[0]
+            dests.append(asm.flat[pos : pos + n])
+            pos += n
+        opened.copy_into(dests)
+        asm.next_part += 1
+        if asm.next_part < h.n_parts:
+            return None
+        del self._assembling[key]
+        return asm.header, layout.flat_views(asm.flat)
+
     def _on_welcome(self, h: wire.Welcome) -> bool:
-        if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments:
-            self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments, we speak "
-                           f"{wire.PROTOCOL_VERSION} with {self._n_fragments}")
+        problem = wire.check_part_elems(h.part_elems)
+        if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments or problem:
+            self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments "
+                           f"({problem or 'parts ok'}), we speak {wire.PROTOCOL_VERSION} with {self._n_fragments}")
         else:
             if self._syncer_id is not None and h.syncer_id != self._syncer_id:
                 # A restarted syncer may have resumed an older checkpoint: its versions are
@@ -428,6 +608,7 @@ class SyncClient:
                 self._accepted_version = [-1] * self._n_fragments
                 self._bcasts.clear()
             self._syncer_id = h.syncer_id
+            self._part_elems = h.part_elems
             self._welcome = h
         self._wake.notify_all()
         return False
@@ -449,12 +630,8 @@ class SyncClient:
                 del self._pulls_taken[k]
 
     def _on_bcast(self, h: wire.Bcast, tensors: Tensors) -> None:
-        if not 0 <= h.fragment < self._n_fragments or h.version < 0:
-            log.warning("island %d: malformed BCAST %s ignored", self._cfg.island_id, h)
-            return
         floor = self._accepted_version[h.fragment]
         if h.version <= floor:
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors)
-

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, FragmentTransfer, _contiguous_base, _Seg
-from diloco.layout.base import ShardInfo, place_shard, shard_of_global
+from diloco.layout.base import ShardInfo, group_rank, place_shard, shard_of_global
 from gloo_bridge import device as dev
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class DataPath:
     """
 
     def __init__(self, xfer: FragmentTransfer, group: dist.ProcessGroup) -> None:
-        if dist.get_rank(group) != xfer._me or dist.get_world_size(group) != xfer._world:
+        if group_rank(group) != xfer._me or dist.get_world_size(group) != xfer._world:
             raise ValueError("DataPath: the data group must have the island group's ranks, in its order")
         self._x = xfer
         self._group = group

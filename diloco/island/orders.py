@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from diloco.layout.base import group_rank
+
 _MAX_ORDERS_BYTES = 1 << 20
 
 
@@ -49,14 +51,17 @@ class Orders:
     """Raise this on every rank: the sync rank hit something fatal (refusal, timeout)."""
 
     def is_idle(self) -> bool:
+        """Nothing to do: broadcast as an empty payload (the common case, one small broadcast)."""
         return not (self.applies or self.stages or self.pushes or self.init or self.final or self.stop or self.error)
 
     def to_json(self) -> bytes:
+        """The JSON bytes broadcast to the other ranks (never pickle)."""
         return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "i": self.init, "f": self.final, "s": self.stop,
                            "e": self.error}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Orders:
+        """Parse what :meth:`to_json` wrote, converting every field to its type."""
         d = json.loads(raw)
         return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
                    stages=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["g"]],
@@ -82,7 +87,7 @@ def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, d
     Every field is reduced with MAX: ``(payload length, -done, failed rank + 1, 0)``, where
     only ``src`` contributes a length, so MAX of ``-done`` is ``-min(done)``.
     """
-    me = dist.get_rank(group)
+    me = group_rank(group)
     is_src = me == src
     head = torch.zeros(4, dtype=torch.int64)
     payload = b""
@@ -111,7 +116,7 @@ def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) 
 
     ``orders`` is only read on ``src``. Idle orders cost one small broadcast.
     """
-    is_src = dist.get_rank(group) == src
+    is_src = group_rank(group) == src
     head = torch.zeros(2, dtype=torch.int64)
     payload = b""
     if is_src:

@@ -124,7 +124,7 @@ class FragmentTransfer:
         self._plan = plan
         self._group = group
         self._sync = sync_rank
-        self._me = dist.get_rank(group)
+        self._me = int(group.rank())  # also for a private 1-rank group (layout.base.island_group)
         self._world = dist.get_world_size(group)
         self._timeout = timeout
         self._pieces = layout.local_pieces()

@@ -46,6 +46,7 @@ import abc
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the global tensor."""
         n = 1
         for s in self.shape:
             n *= s
@@ -92,6 +94,7 @@ class ShardInfo:
 
     @property
     def local_numel(self) -> int:
+        """Elements of the local (possibly padded) tensor."""
         n = 1
         for s in self.local_shape:
             n *= s
@@ -115,6 +118,7 @@ class ShardInfo:
         return valid_rows * row_numel
 
     def padded(self, global_shape: tuple[int, ...]) -> bool:
+        """Whether the local tensor has rows the canonical tensor lacks (megatron's vocab padding)."""
         return self.valid_numel(global_shape) != self.local_numel
 
 
@@ -145,6 +149,7 @@ class LocalPiece:
 
 
 def shard_from_description(d: dict[str, Any]) -> ShardInfo:
+    """Inverse of :meth:`LocalPiece.describe` for the shard part (what other ranks route on)."""
     return ShardInfo(
         local_shape=tuple(int(x) for x in d["local_shape"]),
         partition_dim=int(d["dim"]),
@@ -193,6 +198,29 @@ def world_group() -> dist.ProcessGroup:
     if world is None:
         raise RuntimeError("torch.distributed is not initialised")
     return world
+
+
+def island_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The island's CPU group: ``group`` if given, else the default group, else a private one.
+
+    A one-process island (a notebook, a test, a plain training script) should not have to
+    call ``init_process_group``: when torch.distributed is not initialised this returns a
+    private 1-rank gloo group over an in-memory store. It is not registered as the default
+    group, so a program that initialises torch.distributed later is not disturbed. Our
+    collectives on it are no-ops in effect (one rank), but they run the same code path as a
+    real island.
+    """
+    if group is not None:
+        return group
+    if dist.is_initialized():
+        return world_group()
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(minutes=5))
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``; works for the private group of :func:`island_group`
+    too (``dist.get_rank`` needs a registered group and a default group)."""
+    return int(group.rank())
 
 
 def all_gather_json(obj: Any, group: dist.ProcessGroup) -> list[Any]:

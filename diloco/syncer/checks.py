@@ -1,4 +1,4 @@
-"""Validation helpers of the syncer state machine: the refusal value and tensor checks.
+"""Validation helpers of the syncer state machine: the refusal value and schema checks.
 
 Separate from ``state.py`` so the rules there read as protocol transitions. A
 check raises :class:`Refused` before any state is touched; the state machine
@@ -7,12 +7,11 @@ turns it into one log line and an ERROR to the sender.
 
 from __future__ import annotations
 
-import torch
+import math
 
 from diloco.syncer.records import TensorSpec
-from diloco.wire import WIRE_DTYPES, Message
 
-__all__ = ["Refused", "spec_of", "check_tensors"]
+__all__ = ["Refused", "check_schema"]
 
 
 class Refused(Exception):
@@ -29,28 +28,30 @@ class Refused(Exception):
         self.reason = reason
 
 
-def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
-    """The ``(name, dtype name, shape)`` of a decoded tensor (wire dtypes only)."""
-    dtype = next(k for k, v in WIRE_DTYPES.items() if v == t.dtype)
-    return (name, dtype, tuple(int(s) for s in t.shape))
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 8
 
 
-def check_tensors(msg: Message, schema: tuple[TensorSpec, ...], dtype: str, what: str) -> None:
-    """Check names, order, shapes, dtype and finiteness of ``msg``'s tensors against a schema.
-
-    Finiteness is checked last: it is the only check that reads every element,
-    so cheap structural refusals cost nothing.
-    """
-    if len(msg.tensors) != len(schema):
-        raise Refused("bad_schema", f"{what}: {len(msg.tensors)} tensors, fragment has {len(schema)}")
-    want_dtype = WIRE_DTYPES[dtype]
-    for (name, t), (sname, _sdtype, sshape) in zip(msg.tensors, schema):
-        if name != sname:
-            raise Refused("bad_schema", f"{what}: tensor {name[:80]!r} where {sname[:80]!r} was expected")
-        if tuple(t.shape) != sshape:
-            raise Refused("bad_schema", f"{what}: {name[:80]!r} has shape {tuple(t.shape)}, expected {sshape}")
-        if t.dtype != want_dtype:
-            raise Refused("bad_dtype", f"{what}: {name[:80]!r} is {t.dtype}, expected {dtype}")
-    for name, t in msg.tensors:
-        if not bool(torch.isfinite(t).all()):
-            raise Refused("not_finite", f"{what}: {name[:80]!r} holds NaN or Inf")
+def check_schema(schema: object, max_fragment_bytes: int, what: str) -> tuple[TensorSpec, ...]:
+    """Validate the schema an INIT part 0 declares: non-empty, unique non-empty names, sane shapes,
+    and a total within ``max_fragment_bytes`` of fp32; returns it as ``(name, "float32", shape)``."""
+    if not isinstance(schema, tuple) or not schema:
+        raise Refused("bad_schema", f"{what}: part 0 must declare the fragment's schema")
+    names: set[str] = set()
+    total = 0
+    out: list[TensorSpec] = []
+    for entry in schema:
+        name, shape = entry
+        if not name or len(name) > MAX_NAME_CHARS or name in names:
+            raise Refused("bad_schema", f"{what}: bad or duplicate tensor name {name[:80]!r}")
+        names.add(name)
+        if len(shape) > MAX_NDIM or any(d < 0 or d > max_fragment_bytes for d in shape):
+            raise Refused("bad_schema", f"{what}: tensor {name[:80]!r} has shape {tuple(shape)[:10]}")
+        numel = math.prod(shape)
+        total += numel
+        if total * 4 > max_fragment_bytes:
+            raise Refused("fragment_too_large", f"{what}: more than {max_fragment_bytes} bytes of fp32")
+        out.append((name, "float32", tuple(int(d) for d in shape)))
+    if total == 0:
+        raise Refused("bad_schema", f"{what}: the fragment holds no elements")
+    return tuple(out)

@@ -19,6 +19,7 @@ from types import FrameType
 
 from diloco.keys import read_key_file
 from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.dataplane import default_threads
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
@@ -30,8 +31,12 @@ EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="yeto-syncer", description="DiLoCo syncer: merges fragment deltas from islands.")
-    p.add_argument("--bind", default="tcp://0.0.0.0:5555", help="zmq endpoint to bind")
+    """The flag parser (every flag is documented in docs/SYNCER.md and the README)."""
+    p = argparse.ArgumentParser(
+        prog="yeto-syncer", description="DiLoCo syncer: merges fragment deltas from islands.",
+        epilog="exit codes: 0 finished, 1 finalization failed, 2 bad configuration, 130 interrupted")
+    p.add_argument("--bind", default="tcp://0.0.0.0:5555",
+                   help="zmq endpoint to bind (tcp://HOST:* or tcp://HOST:0 picks a free port; the log names it)")
     p.add_argument("--islands", type=int, required=True, help="number of islands (ids 0..N-1)")
     p.add_argument("--quorum", type=int, default=0, help="K pushes that may close a round after the grace window (default: all islands)")
     p.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two syncs of one fragment")
@@ -44,15 +49,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N commits (0: final only)")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--key-file", default=None, help=f"file holding the shared HMAC key (else env {KEY_ENV})")
-    p.add_argument("--weighting", default="tokens", choices=("tokens", "equal"), help="merge weights")
+    p.add_argument("--weighting", default="tokens", choices=("tokens", "steps", "equal"),
+                   help="merge weights: tokens (pushes must report tokens > 0), steps, or equal")
     p.add_argument("--dead-after-s", type=float, default=120.0, help="an island silent this long leaves the live set")
     p.add_argument("--final-timeout-s", type=float, default=600.0, help="seconds to wait for every FINAL_ACK")
     p.add_argument("--join-timeout-s", type=float, default=600.0,
                    help="finalization waits this long after start for islands that never joined (0: do not wait)")
     p.add_argument("--event-log", default=None, help="JSON-lines file, one line per commit")
     p.add_argument("--status-every-s", type=float, default=2.0, help="period of the status line on stderr")
+    p.add_argument("--part-mib", type=float, default=32.0,
+                   help="MiB of fp32 per part: fragments travel as parts of this size (multiple of 1/64 MiB, <= 128)")
+    p.add_argument("--max-fragment-gib", type=float, default=32.0,
+                   help="largest fragment (GiB of fp32) accepted; a bigger plan is refused at HELLO with the fix")
+    p.add_argument("--data-threads", type=int, default=default_threads(),
+                   help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
     return p
+
+
+def _part_elems(part_mib: float) -> int:
+    """Elements per part for ``--part-mib`` (4-byte elements); validated by SyncerConfig."""
+    elems = part_mib * 2**18
+    if not elems == elems or elems <= 0 or elems != int(elems):
+        raise ConfigError(f"--part-mib: must be a positive multiple of 1/64 MiB, got {part_mib}")
+    return int(elems)
 
 
 def _read_key(key_file: str | None) -> bytes:
@@ -65,6 +85,7 @@ def _read_key(key_file: str | None) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``yeto-syncer``; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
@@ -86,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             dead_after_s=args.dead_after_s,
             final_timeout_s=args.final_timeout_s,
             join_timeout_s=args.join_timeout_s,
+            part_elems=_part_elems(args.part_mib),
+            max_fragment_bytes=int(args.max_fragment_gib * 2**30),
         )
+        if args.data_threads < 1:
+            raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
         if args.resume and not args.checkpoint_dir:
             raise ConfigError("--resume: needs --checkpoint-dir")
         if not args.status_every_s > 0:
@@ -114,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
-    options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s)
+    options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
+                          data_threads=args.data_threads)
     try:
         loop = SyncerLoop(state, options, store)
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
@@ -127,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    # Tests and launchers read the real endpoint (``--bind tcp://127.0.0.1:0``) from here.
+    # Tests and launchers read the real endpoint from here when zmq picked the port
+    # (``--bind tcp://127.0.0.1:*``, or ``:0``: zmq accepts both).
     log.info("bound %s", loop.endpoint)
     return loop.run()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-WEIGHTINGS = ("tokens", "equal")
+WEIGHTINGS = ("tokens", "steps", "equal")
 
 
 class ConfigError(ValueError):
@@ -37,7 +37,8 @@ class SyncerConfig:
             "no limit, finalize only when islands report done" (``--total-steps``).
         checkpoint_every: write a checkpoint every N commits; 0 only writes the
             final one (``--checkpoint-every``).
-        weighting: ``tokens`` (default) or ``equal`` (``--weighting``).
+        weighting: ``tokens`` (default: a push weighs its tokens, which must then be > 0),
+            ``steps`` (its local steps) or ``equal`` (1 each) (``--weighting``).
         dead_after_s: an island silent this long leaves the live set
             (``--dead-after-s``).
         final_timeout_s: seconds to wait for every FINAL_ACK (``--final-timeout-s``).
@@ -46,6 +47,10 @@ class SyncerConfig:
             finish the run before a slow one has even connected (``--join-timeout-s``).
         max_fragments: upper bound on ``n_fragments`` a HELLO may declare; keeps
             a hostile HELLO from making the syncer allocate per-fragment state.
+        part_elems: elements per part of every fragment stream (``--part-mib`` x 2**18);
+            a multiple of 4096.
+        max_fragment_bytes: fp32 bytes one fragment may hold (``--max-fragment-gib``); a
+            plan above it is refused at HELLO with the fix.
     """
 
     islands: int
@@ -62,6 +67,8 @@ class SyncerConfig:
     final_timeout_s: float = 600.0
     join_timeout_s: float = 600.0
     max_fragments: int = 4096
+    part_elems: int = 8 << 20
+    max_fragment_bytes: int = 32 << 30
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -86,6 +93,10 @@ class SyncerConfig:
         need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")
         need(math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0, "--join-timeout-s", f"must be >= 0, got {self.join_timeout_s}")
         need(self.max_fragments >= 1, "max_fragments", "must be >= 1")
+        need(isinstance(self.part_elems, int) and self.part_elems > 0 and self.part_elems % 4096 == 0
+             and self.part_elems * 4 <= (128 << 20), "--part-mib", f"must give whole 16 KiB parts of at most 128 MiB, "
+             f"got {self.part_elems} elements")
+        need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property
     def effective_quorum(self) -> int:

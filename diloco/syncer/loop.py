@@ -1,36 +1,43 @@
-"""The syncer's I/O loop: a pyzmq ROUTER socket around the pure ``SyncerState``.
+"""The syncer's control loop: a pyzmq ROUTER socket around the pure ``SyncerState``.
 
-One thread does everything, in this order per iteration: poll (short timeout),
-drain a bounded batch of messages (each decoded, validated, fed to the state
-machine), ``tick``, start a checkpoint if one became due, then send.
+One thread, the **control plane**, does only work whose cost does not grow with
+bytes, in this order per iteration: poll (the socket and the data plane's wake-up
+pipe), take finished data-plane results, open a bounded batch of messages (MAC
+and header only: ``wire.open_message``) and feed them to the state machine,
+``tick``, hand new payload work to the **data plane** (``dataplane.py``), start a
+checkpoint if one fell due, send control messages, and top up the paced part
+streams (``wire.pacing``).  So a heartbeat is answered within milliseconds while
+a round of several GB is folded, merged and encoded on the worker threads.
+
+Back-pressure: when the data plane holds more than ``max_backlog_bytes`` of
+received parts, the loop stops reading the socket until it drains (zmq then
+holds at most ``RCVHWM`` messages per island, and TCP throttles the senders), so
+memory stays bounded by the state, not by what islands send.
 
 Checkpoints are written on a background thread. Writing one of a large model
 takes minutes; a loop blocked that long would answer no heartbeat, and every
 island would give up on the syncer and redial. The snapshot shares the state's
-tensors (values are immutable published clones, momenta are copied on write
-if their fragment commits meanwhile), so it costs no extra memory in the usual
-case. The price: a BCAST of version v may reach islands before the checkpoint
-holding v is durable. A crash then rolls the islands back to the last
+tensors (values are never written in place; momenta are written beside the old
+one if their fragment commits meanwhile), so it costs no extra memory in the
+usual case. The price: a BCAST of version v may reach islands before the
+checkpoint holding v is durable. A crash then rolls the islands back to the last
 checkpoint — a resumed syncer is a new syncer instance, whose cut every island
 installs whatever its version — which loses inner steps but never mixes states.
 At most one checkpoint is in flight; one that falls due meanwhile is written
 right after. The final checkpoint (and the one on SIGTERM) is synchronous.
 
 Sends never block: the ROUTER uses ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
-peer that is gone (EHOSTUNREACH) or too slow (its send queue at SNDHWM, EAGAIN)
-loses that one message, logged, and every other island is served as usual. The
-protocol tolerates the loss: a lost PULL is re-sent at the next attempt, a lost
-BCAST is superseded by the next version or the cut at reconnect, and a lost
-FINAL shows up as a finalization timeout.
+peer that is gone (EHOSTUNREACH) or too slow (EAGAIN) loses that message,
+logged, and every other island is served as usual.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
-import math
+import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,10 +45,12 @@ from typing import IO, Any
 
 import zmq
 
-from diloco.syncer.records import Outgoing
+from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
-from diloco.wire import Limits, WireError, decode, encode
+from diloco.wire import Bcast, Final, Limits, Payload, Pull, WireError, encode, open_message, seal
+from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +67,13 @@ class LoopOptions:
         bind: zmq endpoint to bind, e.g. ``tcp://0.0.0.0:5555``.
         key: shared HMAC key (``b""``: unauthenticated).
         limits: wire limits applied to every inbound message.
-        poll_ms: poll timeout; bounds how late ``tick`` runs.
+        poll_ms: poll timeout when nothing is being streamed; bounds how late ``tick`` runs.
         max_batch: messages handled per iteration before ``tick`` and sends.
         sndhwm: per-peer send queue bound (messages); beyond it sends fail fast.
+        rcvhwm: per-peer receive queue bound (messages) zmq may hold for us.
+        window: parts of one stream destination zmq may hold at once (``wire.pacing``).
+        data_threads: data-plane workers (``--data-threads``).
+        max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading.
         linger_ms: how long close() may spend flushing SHUTDOWN at exit.
         status_every_s: period of the one-line status log.
         event_log: path of the JSON-lines commit log (None: none).
@@ -69,12 +82,35 @@ class LoopOptions:
     bind: str = "tcp://0.0.0.0:5555"
     key: bytes = b""
     limits: Limits = field(default_factory=Limits)
-    poll_ms: int = 50
+    poll_ms: int = 20
     max_batch: int = 64
     sndhwm: int = 1000
+    rcvhwm: int = 4
+    window: int = 2
+    data_threads: int = field(default_factory=default_threads)
+    max_backlog_bytes: int = 256 << 20
     linger_ms: int = 2000
     status_every_s: float = 2.0
     event_log: str | None = None
+
+
+class _EncodedCache:
+    """Encoded payload parts per (fragment, version, dtype), shared by every island's stream.
+
+    fp32 parts are zero-copy views of the published value plus digests; bf16 parts are
+    one conversion.  Streams keep their own reference to the part list, so pruning an
+    old version never pulls bytes from under a send in progress."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, int, str], list[Payload | None]] = {}
+
+    def put(self, fragment: int, version: int, dtype: str, n_parts: int, part: int, payload: Payload) -> None:
+        self.entries.setdefault((fragment, version, dtype), [None] * n_parts)[part] = payload
+
+    def prune(self, current: tuple[int, ...]) -> None:
+        """Drop payloads of versions that are neither current nor being committed (current + 1)."""
+        for key in [k for k in self.entries if k[0] >= len(current) or k[1] not in (current[k[0]], current[k[0]] + 1)]:
+            del self.entries[key]
 
 
 class SyncerLoop:
@@ -104,61 +140,92 @@ class SyncerLoop:
         self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, options.sndhwm)
+        self.sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
         self.sock.setsockopt(zmq.LINGER, options.linger_ms)
         # zmq drops (and disconnects) a peer sending a frame above this before
-        # allocating it; frames below it are checked precisely by wire.decode.
+        # allocating it; frames below it are checked precisely by wire.open_message.
         lim = options.limits
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(lim.max_chunk_bytes, lim.max_header_bytes) + (1 << 20))
         self.sock.bind(options.bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._events: IO[str] | None = open(options.event_log, "a") if options.event_log else None
         self._last_status = 0.0
-        self._tight_limits: Limits | None = None
         self._writer: threading.Thread | None = None
         self._writer_failed = False
+        self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.data = DataPlane(options.data_threads, self._post)
+        self._cache = _EncodedCache()
+        self._pacer = Pacer(options.window, self._send_tracked)
+        self.loop_stall_max_s = 0.0
+        """Longest iteration of the control loop (for benchmarks and the status line)."""
 
-    def _limits(self) -> Limits:
-        """Wire limits for the next message: tightened to the model once it is known.
+    # ------------------------------------------------------------------ data plane glue
 
-        Before every fragment is initialised, INIT must be admitted under the
-        operator's limits. Afterwards no legitimate message (PUSH, at most one
-        fragment's fp32 bytes) is larger than the largest fragment, so a hostile
-        declaration beyond that is refused before decode allocates anything.
-        """
-        if self._tight_limits is not None:
-            return self._tight_limits
-        if not self.state.initialised:
-            return self.options.limits
-        frag_bytes = tensor_bytes = 0
-        for f in self.state.fragments:
-            sizes = [4 * math.prod(shape) for _n, _d, shape in f.schema]
-            frag_bytes = max(frag_bytes, sum(sizes))
-            tensor_bytes = max(tensor_bytes, max(sizes))
-        lim = self.options.limits
-        self._tight_limits = dataclasses.replace(
-            lim,
-            max_tensor_bytes=min(lim.max_tensor_bytes, tensor_bytes),
-            max_message_bytes=min(lim.max_message_bytes, frag_bytes),
-        )
-        log.info("wire limits tightened to the model: tensor <= %d B, message <= %d B", tensor_bytes, frag_bytes)
-        return self._tight_limits
+    def _post(self, result: Result) -> None:
+        """Worker thread: queue a result and wake the loop (a full pipe already wakes it)."""
+        self._results.put(result)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _take_results(self, now: float) -> list[OutStream | Outgoing]:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out: list[OutStream | Outgoing] = []
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                return out
+            work = result.work
+            if isinstance(work, (CommitPart, EncodePart)) and result.payloads:
+                frag = self.state.fragments[work.fragment]
+                assert frag.layout is not None
+                n = frag.layout.n_parts(self.state.config.part_elems)
+                version = work.version
+                for dtype, payload in result.payloads.items():
+                    self._cache.put(work.fragment, version, dtype, n, work.part, payload)
+            if not isinstance(work, EncodePart):
+                out.extend(self.state.on_result(result, now))
+
+    def _submit_work(self) -> None:
+        work, self.state.work = self.state.work, []
+        for w in work:
+            self.data.submit(w)
 
     # ------------------------------------------------------------------ steps
 
-    def _receive(self, now: float) -> list[Outgoing]:
+    def _limits(self) -> Limits:
+        """Wire limits: a message is at most one part of fp32 (the syncer fixes the part size)."""
+        part = self.state.config.part_elems * 4
+        lim = self.options.limits
+        return Limits(
+            max_header_bytes=lim.max_header_bytes, max_tensors=lim.max_tensors,
+            max_tensor_bytes=min(lim.max_tensor_bytes, part), max_message_bytes=min(lim.max_message_bytes, part),
+            max_chunk_bytes=lim.max_chunk_bytes, max_ndim=lim.max_ndim, max_fragment_bytes=lim.max_fragment_bytes,
+        )
+
+    def _receive(self, now: float, limits: Limits) -> list[OutStream | Outgoing]:
         frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         peer = frames[0].bytes
         try:
-            msg = decode(frames[1:], key=self.options.key, limits=self._limits())
+            opened = open_message(frames[1:], key=self.options.key, limits=limits)
         except WireError as e:
             self.wire_refusals += 1
             log.warning("refused message from peer %s: %s", peer.hex(), e)
             return []
         try:
-            return self.state.handle(peer, msg, now)
+            return self.state.handle(peer, opened, now)
         except Exception:
             # A bug, not a bad message: keep serving the other islands.
-            log.exception("internal error handling %s from peer %s", type(msg.header).__name__, peer.hex())
+            log.exception("internal error handling %s from peer %s", type(opened.header).__name__, peer.hex())
             return []
 
     def _checkpoint_if_due(self, wait: bool = False) -> None:
@@ -166,6 +233,8 @@ class SyncerLoop:
         self._reap_writer(wait=wait)
         if not self.state.checkpoint_due or self._writer is not None:
             return  # a due checkpoint waits for the one in flight
+        if any(f.committing for f in self.state.fragments):
+            return  # snapshot between commits: a commit in flight swaps buffers when it lands
         self.state.checkpoint_due = False
         if self.store is None or not self.state.initialised:
             return
@@ -204,16 +273,54 @@ class SyncerLoop:
             self._events.write(json.dumps({"wall_time": time.time(), **ev}, sort_keys=True) + "\n")
         self._events.flush()
 
-    def _send(self, outgoing: list[Outgoing]) -> None:
-        # Frames for one (kind, fragment, version, dtype) are encoded once and
-        # reused for every island; they are immutable once encoded.
-        cache: dict[tuple[Any, ...], list[Any]] = {}
+    def _send_tracked(self, peer: bytes, frames: list[Any], track: bool) -> Any:
+        return self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False, track=track)
+
+    def _stream(self, o: OutStream) -> Stream | None:
+        """A paced stream of the parts of one BCAST/FINAL (encoded on the data plane if needed)."""
+        state = self.state
+        frag = state.fragments[o.fragment]
+        assert frag.layout is not None
+        E = state.config.part_elems
+        n = frag.layout.n_parts(E)
+        key = (o.fragment, o.version, o.wire_dtype)
+        parts = self._cache.entries.get(key)
+        if parts is None:
+            if frag.version != o.version or frag.value is None or frag.committing and o.kind == "FINAL":
+                log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
+                return None
+            parts = self._cache.entries[key] = [None] * n
+            for k in range(n):
+                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, E))
+        key_bytes = self.options.key
+
+        def frames_of(k: int) -> list[Any] | None:
+            payload = parts[k]
+            if payload is None:
+                return None
+            if o.kind == "BCAST":
+                header: Any = Bcast(fragment=o.fragment, version=o.version, round=o.round, cut=o.cut, part=k, n_parts=n)
+            else:
+                header = Final(fragment=o.fragment, version=o.version, n_fragments=state.n_fragments,
+                               versions=o.versions, part=k, n_parts=n)
+            return seal(header, payload, key=key_bytes)
+
+        return Stream(n, frames_of, f"{o.kind} f{o.fragment} v{o.version}")
+
+    def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
         for o in outgoing:
-            frames = cache.get(o.cache_key) if o.cache_key is not None else None
-            if frames is None:
-                frames = encode(o.header, o.tensors, key=self.options.key, wire_dtype=o.wire_dtype)
-                if o.cache_key is not None:
-                    cache[o.cache_key] = frames
+            if isinstance(o, OutStream):
+                stream = self._stream(o)
+                if stream is not None:
+                    self._pacer.add(o.peer, stream)
+                continue
+            frames = encode(o.header, key=self.options.key)
+            behind = self._pacer.last_stream(o.peer) if isinstance(o.header, Pull) else None
+            if behind is not None:
+                # A PULL follows every value already streaming to that island, so it is
+                # answered against the newest anchor; heartbeats and errors never wait.
+                behind.then.append(frames)
+                continue
             try:
                 self.sock.send_multipart([o.peer, *frames], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -223,54 +330,94 @@ class SyncerLoop:
                 if e.errno != errno.EHOSTUNREACH:
                     raise
                 self.dropped_sends += 1
+                self._pacer.drop(o.peer, "peer gone")
                 log.warning("peer %s is gone: dropped %s", o.peer.hex(), type(o.header).__name__)
+        self._pacer.pump()
+        self._cache.prune(self.state.versions())
 
     def _status(self, now: float) -> None:
         if now - self._last_status >= self.options.status_every_s:
             self._last_status = now
-            log.info("status: %s wire_refusals=%d dropped_sends=%d", self.state.status(), self.wire_refusals, self.dropped_sends)
+            log.info("status: %s wire_refusals=%d dropped_sends=%d backlog=%.0fMiB streams=%d loop_max=%.0fms",
+                     self.state.status(), self.wire_refusals, self.dropped_sends, self.data.backlog_bytes / 2**20,
+                     self._pacer.pending(), self.loop_stall_max_s * 1e3)
 
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
         """Serve until the state finishes (its exit code) or ``stop_event`` is set (130)."""
-        log.info("syncer %d serving on %s", self.state.syncer_id, self.endpoint)
+        log.info("syncer %d serving on %s (%d data-plane threads, parts of %d MiB)", self.state.syncer_id,
+                 self.endpoint, self.data.threads, self.state.config.part_elems * 4 >> 20)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        limits = self._limits()
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():
                     log.warning("stopped: writing a checkpoint and exiting")
+                    self._drain_commits()
                     self._reap_writer(wait=True)
                     self.state.checkpoint_due = True
                     self._checkpoint_if_due(wait=True)
                     return EXIT_INTERRUPTED
-                outgoing: list[Outgoing] = []
-                if poller.poll(self.options.poll_ms):
-                    for _ in range(self.options.max_batch):
-                        try:
-                            outgoing.extend(self._receive(time.monotonic()))
-                        except zmq.Again:
-                            break
+                busy = self._pacer.pending() > 0
+                poller.poll(1 if busy else self.options.poll_ms)
+                t0 = time.monotonic()
+                outgoing = self._take_results(t0)
+                for _ in range(self.options.max_batch):
+                    if self.data.backlog_bytes > self.options.max_backlog_bytes:
+                        break  # back-pressure: let the data plane catch up first
+                    try:
+                        outgoing.extend(self._receive(time.monotonic(), limits))
+                    except zmq.Again:
+                        break
                 now = time.monotonic()
                 outgoing.extend(self.state.tick(now))
+                self._submit_work()
                 self._write_events()
                 self._checkpoint_if_due()
                 self._send(outgoing)
+                self._submit_work()  # encodes asked for by new streams
                 self._status(now)
-            # The final checkpoint: after any in flight, and synchronous.
+                self.loop_stall_max_s = max(self.loop_stall_max_s, time.monotonic() - t0)
+            # Flush what is still streaming (SHUTDOWN went out as control messages already).
+            self._flush_streams(timeout_s=self.options.linger_ms / 1000.0)
             self._reap_writer(wait=True)
             self._checkpoint_if_due(wait=True)
             code = self.state.exit_code if self.state.exit_code is not None else EXIT_FINAL_FAILED
             if self._writer_failed and code == 0:
                 log.error("the final checkpoint could not be written")
                 code = EXIT_FINAL_FAILED
-            log.info("syncer finished with exit code %d: %s", code, self.state.status())
+            log.info("syncer finished with exit code %d: %s; merged %s", code, self.state.status(),
+                     self.state.merged_summary())
             return code
         finally:
             self.close()
 
+    def _drain_commits(self, timeout_s: float = 60.0) -> None:
+        """Let a commit in flight land before the last checkpoint (its buffers swap when it does)."""
+        deadline = time.monotonic() + timeout_s
+        while any(f.committing for f in self.state.fragments) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._take_results(time.monotonic())
+            self._submit_work()
+
+    def _flush_streams(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._pacer.pending() and time.monotonic() < deadline:
+            self._take_results(time.monotonic())
+            self._submit_work()
+            self._pacer.pump()
+            time.sleep(0.002)
+
     def close(self) -> None:
+        self.data.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if self._events is not None:
             self._events.close()
             self._events = None

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from diloco.wire.parts import FragmentLayout
+
 # (name, dtype name, shape) of one tensor of a fragment, in the plan's order.
 TensorSpec = tuple[str, str, tuple[int, ...]]
 
@@ -56,37 +58,49 @@ class IslandRecord:
 
 @dataclass
 class FragmentRecord:
-    """Global fp32 value, outer momentum and version of one fragment.
+    """Global fp32 value, outer momentum and version of one fragment, as flat streams.
 
-    ``published`` is an immutable clone of ``values`` at ``version``: outgoing
-    BCAST/FINAL frames may be zero-copy views of it that zmq still holds after
-    the next commit has updated ``values`` in place.
+    ``value`` and ``momentum`` are one flat fp32 tensor each, in the fragment's stream
+    order (``layout``); tensors are views of them.  ``value`` is never written in place:
+    a commit writes the next value out of place (into the round's sum buffer), so
+    broadcast frames and checkpoints may keep referencing a published value while the
+    next commit runs.  Momentum is updated in place unless a checkpoint pins it.
     """
 
     index: int
     schema: tuple[TensorSpec, ...] = ()
-    values: list[torch.Tensor] = field(default_factory=list)
-    momentum: list[torch.Tensor] = field(default_factory=list)
-    published: list[torch.Tensor] = field(default_factory=list)
+    layout: FragmentLayout | None = None
+    value: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
     version: int = 0
-
-    @property
-    def initialised(self) -> bool:
-        return bool(self.values)
-
-    def named_published(self) -> list[tuple[str, torch.Tensor]]:
-        return [(spec[0], t) for spec, t in zip(self.schema, self.published)]
+    initialised: bool = False
+    init_next_part: int = 0
+    """INIT parts accepted so far (they must arrive in order)."""
+    init_done_parts: int = 0
+    """INIT parts copied in by the data plane."""
+    committing: bool = False
 
 
 @dataclass
 class PushRecord:
-    """An accepted push, held with its decoded delta tensors until commit."""
+    """A push of one attempt: accepted parts stream in and are folded as they arrive.
+
+    ``complete`` once every part has been folded into the round's running sum (a
+    zero-weight push has no parts and is complete at once)."""
 
     island: int
     base_version: int
     local_steps: int
     tokens: int
-    deltas: list[torch.Tensor]
+    weight: int
+    n_parts: int
+    next_part: int = 0
+    folded: int = 0
+    last_part_at: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.folded >= self.n_parts
 
 
 @dataclass
@@ -94,7 +108,8 @@ class RoundRecord:
     """An open round: its fragment, current attempt, frozen members and pushes.
 
     ``closed`` means the quorum rule fired; the round then waits for every
-    earlier round to commit (commits are strictly in round order).
+    earlier round to commit (commits are strictly in round order).  ``sum`` is the
+    attempt's running weighted fp32 sum (None until a weighted part arrives).
     """
 
     round: int
@@ -105,36 +120,51 @@ class RoundRecord:
     pushes: dict[int, PushRecord] = field(default_factory=dict)
     grace_deadline: float | None = None
     closed: bool = False
+    flush: bool = False
+    """Opened after every island finished: merges each island's last steps."""
+    sum: Any = None
+    commit_parts_left: int = 0
+    new_momentum: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One message the loop must send.
+    """One small (control) message the loop must send: sent at once, never behind data.
 
     Attributes:
         peer: zmq routing id of the receiver.
-        header: a ``diloco.wire`` header struct.
-        tensors: ``(name, tensor)`` pairs; never mutated after being handed out.
-        wire_dtype: dtype to encode tensors in (None: as they are).
-        cache_key: equal keys mean byte-identical frames, so the loop encodes
-            once and reuses the frames for every island (BCAST, FINAL).
+        header: a ``diloco.wire`` header struct (no tensors).
     """
 
     peer: bytes
     header: Any
-    tensors: tuple[tuple[str, torch.Tensor], ...] = ()
-    wire_dtype: str | None = None
-    cache_key: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OutStream:
+    """A parted fragment stream the loop must send: BCAST or FINAL of one version.
+
+    The loop encodes the payload once per (fragment, version, dtype) on the data plane
+    and paces the parts (see ``diloco.wire.pacing``)."""
+
+    peer: bytes
+    kind: str  # "BCAST" | "FINAL"
+    fragment: int
+    version: int
+    round: int = 0
+    cut: bool = False
+    wire_dtype: str = "float32"
+    versions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class FragmentSnapshot:
-    """Checkpointable state of one fragment (tensors are references, not copies)."""
+    """Checkpointable state of one fragment (flat tensors are references, not copies)."""
 
     version: int
     schema: tuple[TensorSpec, ...]
-    values: tuple[torch.Tensor, ...]
-    momentum: tuple[torch.Tensor, ...]
+    value: torch.Tensor
+    momentum: torch.Tensor
 
 
 @dataclass(frozen=True)

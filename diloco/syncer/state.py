@@ -1,33 +1,41 @@
-"""The syncer's pure state machine: every round rule of docs/PROTOCOL.md, no sockets.
+"""The syncer's state machine: every round rule of docs/PROTOCOL.md, no sockets, no threads.
 
-``SyncerState.handle(peer, msg, now)`` takes one decoded message and returns the
-messages to send; ``tick(now)`` applies the time-based rules (dead islands,
-grace windows, quorum timeouts, finalization timeout). Keeping this free of I/O
-and of the clock lets tests drive every transition with hand-built messages
-and chosen times, and lets the same logic later run per fragment shard.
+``SyncerState.handle(peer, opened, now)`` takes one opened message (MAC and header
+checked, payload not read) and returns the messages to send; payload work it
+accepts is queued in ``self.work`` for the data plane, whose results come back
+through ``on_result(result, now)``; ``tick(now)`` applies the time rules (dead
+islands, grace windows, quorum timeouts, finalization timeout).  Keeping this free
+of I/O, threads and the clock lets tests drive every transition with hand-built
+messages and chosen times (running the work inline), and lets the same logic
+later run per fragment shard.
 
 Failure semantics: a message that breaks a rule is *refused*: the handler
-validates everything first and raises :class:`Refused` before touching any
-state, so a refusal leaves the state exactly as it was; ``handle`` then logs
-one line and answers the peer with ERROR.
+validates everything first and raises :class:`Refused` before touching any state,
+so a refusal leaves the state exactly as it was; ``handle`` then logs one line and
+answers the peer with ERROR.  A part refused by the data plane (bad digest, NaN)
+cannot be taken out of the running sum again, so it voids its attempt: the round
+is re-pulled with ``attempt + 1``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from typing import Any
 
 import torch
 
-from diloco.outer import MergeScratch, OuterHyper, merge_weights, outer_step
-from diloco.syncer.checks import Refused, check_tensors, spec_of
+from diloco.outer import OuterHyper, push_weight
+from diloco.syncer.checks import Refused, check_schema
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.dataplane import CommitPart, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.records import (
     FragmentRecord,
     FragmentSnapshot,
     IslandRecord,
     Outgoing,
+    OutStream,
     PushRecord,
     RoundRecord,
     Snapshot,
@@ -35,14 +43,14 @@ from diloco.syncer.records import (
 from diloco.wire import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,
-    Bcast,
     Error,
-    Final,
     FinalAck,
+    FragmentLayout,
+    HostBufferPool,
     Heartbeat,
     Hello,
     Init,
-    Message,
+    Opened,
     Pull,
     Push,
     Shutdown,
@@ -52,30 +60,26 @@ from diloco.wire import (
 log = logging.getLogger(__name__)
 
 MAX_FINGERPRINT_CHARS = 256
+Out = Outgoing | OutStream
 
 
 class SyncerState:
     """All syncer state and the transitions between states.
 
     Args:
-        config: round, quorum and optimizer settings.
+        config: round, quorum, optimizer and size settings.
         syncer_id: random per process (clients redial when it changes); drawn
             here when not given.
         snapshot: a checkpoint to resume from (``--resume``); fixes the
             fingerprint, fragment values, momentum, versions and next round.
     """
 
-    def __init__(
-        self,
-        config: SyncerConfig,
-        *,
-        syncer_id: int | None = None,
-        snapshot: Snapshot | None = None,
-    ) -> None:
+    def __init__(self, config: SyncerConfig, *, syncer_id: int | None = None, snapshot: Snapshot | None = None) -> None:
         self.config = config
         self.syncer_id = syncer_id if syncer_id is not None else random.getrandbits(63)
         self.hyper = OuterHyper(lr=config.outer_lr, momentum=config.outer_momentum)
-        self.scratch = MergeScratch()
+        self.pool = HostBufferPool(max_idle_bytes=2 << 30)
+        """Sum / value / momentum buffers: a freed value becomes the next round's sum."""
         self.islands = [IslandRecord(i) for i in range(config.islands)]
         self.fingerprint: str | None = None
         self.fragments: list[FragmentRecord] = []
@@ -83,7 +87,11 @@ class SyncerState:
         self.next_open = 1  # next round number to open
         self.next_commit = 1  # rounds commit strictly in this order
         self.commits = 0
+        self.changed_training = 0
+        self.changed_flush = 0
         self.refusals = 0
+        self.flush_left: set[int] | None = None
+        """Fragments still to flush once every island finished (None: not started)."""
         self.phase = "running"  # running -> final -> done
         self.final_deadline = 0.0
         self.final_expected: frozenset[int] = frozenset()
@@ -92,8 +100,10 @@ class SyncerState:
         self.started_at: float | None = None
         """Clock of the first message or tick: the join timeout counts from it."""
         self.pinned: set[int] = set()
-        """Fragments whose momentum tensors an in-flight checkpoint still reads."""
+        """Fragments whose momentum an in-flight checkpoint still reads."""
         self.events: list[dict[str, Any]] = []
+        self.work: list[Work] = []
+        """Payload work for the data plane, drained by the loop."""
         if snapshot is not None:
             self._restore(snapshot)
 
@@ -117,26 +127,45 @@ class SyncerState:
     def live(self) -> list[IslandRecord]:
         return [i for i in self.islands if i.bound and i.alive]
 
+    @property
+    def scheduled_rounds(self) -> int:
+        """Rounds the clock schedules during training (``ceil(t*H/P) <= total``); 0 if unbounded."""
+        if self.config.total_steps <= 0 or not self.fragments:
+            return 0
+        return self.config.total_steps * self.n_fragments // self.config.sync_every
+
+    def merged_summary(self) -> dict[str, int]:
+        """What the run merged: scheduled rounds, commits, and rounds that changed the model."""
+        return {
+            "scheduled_rounds": self.scheduled_rounds,
+            "committed_rounds": self.commits,
+            "changed_in_training": self.changed_training,
+            "changed_in_flush": self.changed_flush,
+        }
+
     def status(self) -> str:
         """One line for the operator: phase, rounds, attempts, members, versions."""
         rounds = " ".join(
-            f"r{r.round}/f{r.fragment}/a{r.attempt}:{len(r.pushes)}/{len(r.members)}{'C' if r.closed else ''}"
+            f"r{r.round}/f{r.fragment}/a{r.attempt}:{sum(p.complete for p in r.pushes.values())}/{len(r.members)}"
+            f"{'C' if r.closed else ''}{'F' if r.flush else ''}"
             for r in sorted(self.rounds.values(), key=lambda r: r.round)
         )
         live = ",".join(str(i.island) for i in self.live())
+        m = self.merged_summary()
         return (
             f"phase={self.phase} next_round={self.next_open} open=[{rounds}] live=[{live}] "
-            f"versions={list(self.versions())} commits={self.commits} refusals={self.refusals}"
+            f"versions={list(self.versions())} commits={self.commits} changed={m['changed_in_training']}"
+            f"+{m['changed_in_flush']}/{m['scheduled_rounds']} refusals={self.refusals}"
         )
 
     # ------------------------------------------------------------------ entry points
 
-    def handle(self, peer: bytes, msg: Message, now: float) -> list[Outgoing]:
-        """Apply one decoded message from ``peer``; return what to send."""
+    def handle(self, peer: bytes, msg: Opened, now: float) -> list[Out]:
+        """Apply one opened message from ``peer``; return what to send."""
         if self.started_at is None:
             self.started_at = now
         header = msg.header
-        out: list[Outgoing] = []
+        out: list[Out] = []
         try:
             if isinstance(header, Hello):
                 self._on_hello(peer, header, msg, now, out)
@@ -161,11 +190,24 @@ class SyncerState:
         out.extend(self._progress(now))
         return out
 
-    def tick(self, now: float) -> list[Outgoing]:
+    def on_result(self, result: Result, now: float) -> list[Out]:
+        """Take one finished data-plane work item; return what to send."""
+        out: list[Out] = []
+        work = result.work
+        if isinstance(work, FoldPart):
+            self._on_folded(work, result, now, out)
+        elif isinstance(work, InitPart):
+            self._on_init_copied(work, result, out)
+        elif isinstance(work, CommitPart):
+            self._on_commit_part(work, result, now, out)
+        out.extend(self._progress(now))
+        return out
+
+    def tick(self, now: float) -> list[Out]:
         """Apply the time-based rules; call on every loop iteration."""
         if self.started_at is None:
             self.started_at = now
-        out: list[Outgoing] = []
+        out: list[Out] = []
         for isl in self.live():
             if now - isl.last_seen > self.config.dead_after_s:
                 isl.alive = False
@@ -201,9 +243,30 @@ class SyncerState:
             rec.cut_sent = False
             log.info("island %d is live again (generation %d)", rec.island, rec.generation)
 
+    def _check_sizes(self, fragment_numel: tuple[int, ...], n_fragments: int) -> None:
+        """A plan whose fragments exceed what this syncer accepts is refused with the fix."""
+        if not fragment_numel:
+            return
+        if len(fragment_numel) != n_fragments or any(n <= 0 for n in fragment_numel):
+            raise Refused("bad_fragments", f"{len(fragment_numel)} fragment sizes for {n_fragments} fragments")
+        limit = self.config.max_fragment_bytes
+        biggest = max(fragment_numel) * 4
+        if biggest > limit:
+            need = math.ceil(sum(fragment_numel) * 4 / limit)
+            raise Refused(
+                "fragment_too_large",
+                f"a fragment holds {biggest / 2**30:.2f} GiB of fp32, this syncer accepts at most "
+                f"{limit / 2**30:.2f} GiB per fragment (--max-fragment-gib): use more fragments "
+                f"(YETO_DILOCO_FRAGMENTS >= {max(need, n_fragments + 1)}) or raise --max-fragment-gib",
+            )
+        if self.fragments and all(f.layout is not None for f in self.fragments):
+            have = tuple(f.layout.numel for f in self.fragments if f.layout is not None)
+            if have != tuple(fragment_numel):
+                raise Refused("fragments_mismatch", f"fragment sizes {list(fragment_numel)[:8]} != {list(have)[:8]}")
+
     # ------------------------------------------------------------------ handlers
 
-    def _on_hello(self, peer: bytes, h: Hello, msg: Message, now: float, out: list[Outgoing]) -> None:
+    def _on_hello(self, peer: bytes, h: Hello, msg: Opened, now: float, out: list[Out]) -> None:
         cfg = self.config
         if h.protocol != PROTOCOL_VERSION:
             raise Refused("protocol", f"protocol {h.protocol}, syncer speaks {PROTOCOL_VERSION}")
@@ -217,7 +280,7 @@ class SyncerState:
             raise Refused("bad_fragments", f"n_fragments {h.n_fragments} outside [1, {cfg.max_fragments}]")
         if not 0 < len(h.fingerprint) <= MAX_FINGERPRINT_CHARS:
             raise Refused("bad_fingerprint", f"fingerprint of {len(h.fingerprint)} chars")
-        if msg.tensors:
+        if msg.metas:
             raise Refused("unexpected_tensors", "HELLO carries no tensors")
         if self.fingerprint is not None:
             if h.fingerprint != self.fingerprint:
@@ -227,6 +290,7 @@ class SyncerState:
                 )
             if h.n_fragments != self.n_fragments:
                 raise Refused("fragments_mismatch", f"n_fragments {h.n_fragments} != syncer's {self.n_fragments}")
+        self._check_sizes(tuple(h.fragment_numel), h.n_fragments)
         rec = self.islands[h.island]
         if h.generation in rec.retired_generations:
             raise Refused("old_generation", f"generation {h.generation} of island {h.island} was replaced")
@@ -241,6 +305,14 @@ class SyncerState:
         if rec.bound and rec.generation != h.generation:
             rec.retired_generations.add(rec.generation)
             log.info("island %d reconnected: generation %d replaces %d", h.island, h.generation, rec.generation)
+            # A push the old connection left half-sent is in the running sum and its last parts
+            # will never come: drop that attempt now (not after --dead-after-s) and pull again;
+            # the reconnected island is pulled after its cut.
+            for r in list(self.rounds.values()):
+                p = r.pushes.get(h.island)
+                if p is not None and not p.complete and not r.closed:
+                    self._restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")
+                    r.members = r.members | {h.island}
         rec.generation = h.generation
         rec.wire_dtype = h.wire_dtype
         rec.bound = True
@@ -261,13 +333,14 @@ class SyncerState:
                     syncer_id=self.syncer_id,
                     need_init=need_init,
                     versions=self.versions(),
-                    sync_every=self.config.sync_every,
-                    total_steps=self.config.total_steps,
+                    sync_every=cfg.sync_every,
+                    total_steps=cfg.total_steps,
+                    part_elems=cfg.part_elems,
                 ),
             )
         )
 
-    def _on_init(self, peer: bytes, h: Init, msg: Message, now: float) -> None:
+    def _on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
         rec = self._bound_island(h.island, h.generation)
         if h.island != 0:
             raise Refused("init_not_island0", f"INIT from island {h.island}; only island 0 initialises")
@@ -278,21 +351,56 @@ class SyncerState:
         frag = self.fragments[h.fragment]
         if frag.initialised:
             raise Refused("duplicate_init", f"fragment {h.fragment} is already initialised")
-        if not msg.tensors:
-            raise Refused("bad_schema", f"INIT of fragment {h.fragment} carries no tensors")
-        schema = tuple(spec_of(n, t) for n, t in msg.tensors)
-        check_tensors(msg, schema, "float32", f"INIT fragment {h.fragment}")
+        E = self.config.part_elems
+        if h.part == 0:
+            schema = check_schema(h.schema, self.config.max_fragment_bytes, f"INIT fragment {h.fragment}")
+            layout = FragmentLayout.of([(n, s) for n, _d, s in schema])
+        else:
+            if h.schema:
+                raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")
+            if frag.layout is None or h.part != frag.init_next_part:
+                raise Refused("bad_part", f"INIT part {h.part} of fragment {h.fragment}, expected part "
+                                          f"{frag.init_next_part}")
+            layout = frag.layout
+            schema = frag.schema
+        problem = layout.check_part(msg.metas, h.part, h.n_parts, E, "float32")
+        if problem:
+            raise Refused("bad_part", f"INIT fragment {h.fragment}: {problem}")
 
-        # --- accepted. Decoded tensors are fresh allocations: own them directly.
-        frag.schema = schema
-        frag.values = [t.contiguous() for _, t in msg.tensors]
-        frag.momentum = [torch.zeros_like(t) for t in frag.values]
-        frag.published = [t.clone() for t in frag.values]
-        frag.version = 0
+        # --- accepted
+        if h.part == 0:
+            # (Re)start of the stream: a redialed island 0 streams INIT again from part 0.
+            frag.schema, frag.layout = schema, layout
+            frag.value = self.pool.empty((layout.numel,), torch.float32)
+            frag.momentum = self.pool.empty((layout.numel,), torch.float32)
+            frag.init_next_part = frag.init_done_parts = 0
+        assert frag.value is not None and frag.momentum is not None
+        lo, _hi = layout.part_range(h.part, E)
+        frag.init_next_part += 1
+        self.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value, frag.momentum))
         self._touch(rec, peer, now)
-        log.info("fragment %d initialised by island 0: %d tensors", h.fragment, len(schema))
 
-    def _on_push(self, peer: bytes, h: Push, msg: Message, now: float) -> None:
+    def _on_init_copied(self, work: InitPart, result: Result, out: list[Out]) -> None:
+        frag = self.fragments[work.fragment]
+        if frag.value is not work.value or frag.initialised:
+            return  # a restarted INIT stream replaced this buffer
+        if result.error:
+            self.refusals += 1
+            log.warning("INIT part %d of fragment %d refused: %s; island 0 must stream INIT again",
+                        work.part, work.fragment, result.error)
+            frag.value = frag.momentum = None
+            frag.init_next_part = frag.init_done_parts = 0
+            out.append(Outgoing(self.islands[0].peer, Error(code="bad_init", reason=result.error)))
+            return
+        frag.init_done_parts += 1
+        assert frag.layout is not None
+        if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
+            frag.initialised = True
+            frag.version = 0
+            log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
+                     frag.layout.numel * 4 / 2**20)
+
+    def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
         rec = self._bound_island(h.island, h.generation)
         r = self.rounds.get(h.round)
         if r is None:
@@ -306,39 +414,96 @@ class SyncerState:
             raise Refused("round_closed", f"round {h.round} already closed")
         if h.island not in r.members:
             raise Refused("not_member", f"island {h.island} is not a member of round {h.round} attempt {r.attempt}")
-        if h.island in r.pushes:
-            raise Refused("duplicate_push", f"island {h.island} already pushed round {h.round} attempt {r.attempt}")
+        if h.part < 0 or h.n_parts < 0 or (h.n_parts == 0 and h.part != 0):
+            raise Refused("bad_part", f"part {h.part} of {h.n_parts} is not a part index")
         frag = self.fragments[r.fragment]
-        if not 0 <= h.base_version <= frag.version:
-            raise Refused("bad_base_version", f"base version {h.base_version} outside [0, {frag.version}]")
-        if h.local_steps < 0 or h.tokens < 0:
-            raise Refused("bad_counts", f"local_steps {h.local_steps} / tokens {h.tokens} negative")
-        check_tensors(msg, frag.schema, rec.wire_dtype, f"PUSH round {h.round}")
+        assert frag.layout is not None
+        E = self.config.part_elems
+        push = r.pushes.get(h.island)
+        if h.part == 0 and push is not None:
+            raise Refused("duplicate_push", f"island {h.island} already pushed round {h.round} attempt {r.attempt}")
+        if h.part > 0:
+            if push is None or h.part != push.next_part:
+                want = "no part (not started)" if push is None else f"part {push.next_part}"
+                raise Refused("bad_part", f"part {h.part} of round {h.round} from island {h.island}; expected {want}")
+            if (h.base_version, h.local_steps, h.tokens, h.n_parts) != (
+                push.base_version, push.local_steps, push.tokens, push.n_parts
+            ):
+                raise Refused("bad_part", f"part {h.part} of round {h.round} disagrees with its part 0")
+        else:
+            if not 0 <= h.base_version <= frag.version:
+                raise Refused("bad_base_version", f"base version {h.base_version} outside [0, {frag.version}]")
+            if h.local_steps < 0 or h.tokens < 0:
+                raise Refused("bad_counts", f"local_steps {h.local_steps} / tokens {h.tokens} negative")
+            weight = push_weight(h.local_steps, h.tokens, self.config.weighting)
+            if weight < 0:
+                raise Refused("bad_counts", f"--weighting {self.config.weighting} needs tokens > 0 for a push "
+                                            f"with local steps (got tokens {h.tokens})")
+            if weight == 0:
+                if h.n_parts != 0 or msg.metas:
+                    raise Refused("bad_part", "a zero-weight push (local_steps 0) carries no tensors (n_parts 0)")
+            elif h.n_parts != frag.layout.n_parts(E):
+                raise Refused("bad_part", f"n_parts {h.n_parts}, fragment {r.fragment} has "
+                                          f"{frag.layout.n_parts(E)} parts")
+        if h.n_parts > 0:
+            problem = frag.layout.check_part(msg.metas, h.part, h.n_parts, E, rec.wire_dtype)
+            if problem:
+                raise Refused("bad_part", f"PUSH round {h.round}: {problem}")
 
         # --- accepted
-        r.pushes[h.island] = PushRecord(
-            island=h.island,
-            base_version=h.base_version,
-            local_steps=h.local_steps,
-            tokens=h.tokens,
-            deltas=[t for _, t in msg.tensors],
-        )
+        if push is None:
+            push = r.pushes[h.island] = PushRecord(
+                island=h.island, base_version=h.base_version, local_steps=h.local_steps, tokens=h.tokens,
+                weight=push_weight(h.local_steps, h.tokens, self.config.weighting), n_parts=h.n_parts,
+            )
+        push.last_part_at = now
         self._touch(rec, peer, now)
-        if len(r.pushes) >= self.config.effective_quorum and r.grace_deadline is None:
+        if h.n_parts == 0:
+            self._maybe_start_grace(r, now)
+            return
+        if r.sum is None:
+            r.sum = RoundSum(r.round, r.attempt, r.fragment, self.pool.empty((frag.layout.numel,), torch.float32),
+                             frag.layout.n_parts(E))
+        lo, _hi = frag.layout.part_range(h.part, E)
+        r.sum.fold_order[h.part].append(h.island)
+        push.next_part += 1
+        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island))
+
+    def _on_folded(self, work: FoldPart, result: Result, now: float, out: list[Out]) -> None:
+        r = self.rounds.get(work.sum.round)
+        if r is None or r.sum is not work.sum:
+            return  # the attempt was dropped meanwhile
+        if result.error:
+            self.refusals += 1
+            log.warning("round %d attempt %d: part %d from island %d refused (%s): it is folded into nothing, "
+                        "but earlier parts were; dropping the attempt", r.round, r.attempt, work.part, work.island,
+                        result.error)
+            isl = self.islands[work.island]
+            out.append(Outgoing(isl.peer, Error(code="bad_push", reason=result.error)))
+            self._restart_attempt(r, now, out, f"a part of island {work.island} was refused")
+            return
+        push = r.pushes[work.island]
+        push.folded += 1
+        if push.complete:
+            self._maybe_start_grace(r, now)
+
+    def _maybe_start_grace(self, r: RoundRecord, now: float) -> None:
+        done = sum(p.complete for p in r.pushes.values())
+        if done >= self.config.effective_quorum and r.grace_deadline is None:
             r.grace_deadline = now + self.config.grace_ms / 1000.0
 
-    def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Message, now: float, out: list[Outgoing]) -> None:
+    def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:
         rec = self._bound_island(h.island, h.generation)
         if h.step < 0:
             raise Refused("bad_step", f"step {h.step} < 0")
-        if msg.tensors:
+        if msg.metas:
             raise Refused("unexpected_tensors", "HEARTBEAT carries no tensors")
         rec.last_step = h.step
         rec.done = h.done
         self._touch(rec, peer, now)
         out.append(Outgoing(peer, Heartbeat(syncer_id=self.syncer_id)))
 
-    def _on_final_ack(self, peer: bytes, h: FinalAck, msg: Message, now: float, out: list[Outgoing]) -> None:
+    def _on_final_ack(self, peer: bytes, h: FinalAck, msg: Opened, now: float, out: list[Out]) -> None:
         rec = self._bound_island(h.island, h.generation)
         if self.phase != "final":
             raise Refused("not_final", "no finalization in progress")
@@ -354,15 +519,16 @@ class SyncerState:
 
     # ------------------------------------------------------------------ progress
 
-    def _progress(self, now: float) -> list[Outgoing]:
+    def _progress(self, now: float) -> list[Out]:
         """Rules that fire on state, in order: close, commit, cut, open, finalize."""
-        out: list[Outgoing] = []
+        out: list[Out] = []
         if self.phase != "running":
             return out
         for r in sorted(self.rounds.values(), key=lambda r: r.round):
             self._check_quorum(r, now, out)
-        while self.next_commit in self.rounds and self.rounds[self.next_commit].closed:
-            self._commit(self.rounds.pop(self.next_commit), now, out)
+        r = self.rounds.get(self.next_commit)
+        if r is not None and r.closed and not any(f.committing for f in self.fragments):
+            self._start_commit(r, now, out)
         self._deliver_cuts(out)
         self._open_rounds(now, out)
         self._maybe_finalize(now, out)
@@ -371,55 +537,102 @@ class SyncerState:
     def _pull(self, r: RoundRecord, island: int) -> Outgoing:
         return Outgoing(self.islands[island].peer, Pull(fragment=r.fragment, round=r.round, attempt=r.attempt))
 
-    def _check_quorum(self, r: RoundRecord, now: float, out: list[Outgoing]) -> None:
+    def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str) -> None:
+        """Drop the attempt's pushes (and its running sum) and pull the live members again."""
+        if r.sum is not None:
+            r.sum.void = True
+        members = frozenset(i.island for i in self.live() if i.cut_sent)
+        log.warning("round %d attempt %d dropped (%s): re-pulling %s as attempt %d", r.round, r.attempt, why,
+                    sorted(members), r.attempt + 1)
+        r.attempt += 1
+        r.pushes.clear()
+        r.sum = None
+        r.members = members
+        r.attempt_started = now
+        r.grace_deadline = None
+        out.extend(self._pull(r, i) for i in sorted(members))
+
+    def _check_quorum(self, r: RoundRecord, now: float, out: list[Out]) -> None:
+        """Close, wait, or drop the attempt (docs/PROTOCOL.md, "Quorum").
+
+        A push that has started streaming is already in the running sum and cannot be
+        taken out again: while it keeps sending parts the round waits for it; if it
+        stalls (no part for ``--dead-after-s``), the whole attempt is dropped."""
         if r.closed:
             return
         k = self.config.effective_quorum
-        n = len(r.pushes)
-        if r.members and n == len(r.members):
+        complete = sum(p.complete for p in r.pushes.values())
+        partial = [p for p in r.pushes.values() if not p.complete]
+        stalled = [p for p in partial if now - p.last_part_at > self.config.dead_after_s]
+        if stalled:
+            self._restart_attempt(r, now, out, f"the push of island {stalled[0].island} stalled mid-stream")
+        elif r.members and complete == len(r.members):
             r.closed = True
-        elif n >= k and r.grace_deadline is not None and now >= r.grace_deadline:
+        elif complete >= k and r.grace_deadline is not None and now >= r.grace_deadline and not partial:
             r.closed = True
-        elif n < k and now - r.attempt_started >= self.config.quorum_timeout_s:
-            members = frozenset(i.island for i in self.live() if i.cut_sent)
-            log.warning(
-                "round %d attempt %d: %d/%d pushes after %.1fs (quorum %d): dropping them, re-pulling %s",
-                r.round, r.attempt, n, len(r.members), now - r.attempt_started, k, sorted(members),
-            )
-            r.attempt += 1
-            r.pushes.clear()
-            r.members = members
-            r.attempt_started = now
-            r.grace_deadline = None
-            out.extend(self._pull(r, i) for i in sorted(members))
+        elif complete < k and not partial and now - r.attempt_started >= self.config.quorum_timeout_s:
+            self._restart_attempt(r, now, out, f"{complete}/{len(r.members)} pushes after "
+                                               f"{now - r.attempt_started:.1f}s, quorum {k}")
 
-    def _commit(self, r: RoundRecord, now: float, out: list[Outgoing]) -> None:
-        """Merge a closed round (the earliest uncommitted one) and broadcast it."""
+    def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
+        """Merge a closed round (the earliest uncommitted one) on the data plane."""
         frag = self.fragments[r.fragment]
-        pushes = [r.pushes[i] for i in sorted(r.pushes)]  # increasing island id
-        weights = merge_weights(
-            [p.tokens for p in pushes], [p.local_steps for p in pushes], self.config.weighting
-        )
+        total = sum(p.weight for p in r.pushes.values())
+        if total == 0 or r.sum is None:
+            self._finish_commit(r, now, out, changed=False)
+            return
+        assert frag.layout is not None and frag.value is not None and frag.momentum is not None
         if r.fragment in self.pinned:
-            # A checkpoint being written in the background holds this fragment's momentum
-            # (its values are the immutable ``published`` clone): copy on write.
-            frag.momentum = [m.clone() for m in frag.momentum]
-            self.pinned.discard(r.fragment)
-        changed = outer_step(
-            frag.values, frag.momentum, [p.deltas for p in pushes], weights, self.hyper, self.scratch
-        )
-        for p, w in zip(pushes, weights):
+            # A checkpoint being written in the background reads this momentum: write beside it.
+            r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
+        E = self.config.part_elems
+        dtypes = tuple(sorted({"float32"} | {i.wire_dtype for i in self.live()}))
+        n = frag.layout.n_parts(E)
+        r.commit_parts_left = n
+        frag.committing = True
+        for k in range(n):
+            lo, hi = frag.layout.part_range(k, E)
+            self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
+                                        r.sum, total, self.hyper, frag.layout, E, dtypes, frag.version + 1))
+
+    def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
+        r = self.rounds.get(work.round)
+        if r is None or r.sum is not work.sum:
+            return
+        if result.error:
+            log.error("commit of round %d part %d failed: %s", work.round, work.part, result.error)
+        r.commit_parts_left -= 1
+        if r.commit_parts_left == 0:
+            self._finish_commit(r, now, out, changed=True)
+
+    def _finish_commit(self, r: RoundRecord, now: float, out: list[Out], changed: bool) -> None:
+        frag = self.fragments[r.fragment]
+        pushes = [r.pushes[i] for i in sorted(r.pushes)]
+        if changed:
+            assert r.sum is not None
+            frag.value = r.sum.flat  # the new value was written where the sum was
+            if r.new_momentum is not None:
+                frag.momentum = r.new_momentum
+                self.pinned.discard(r.fragment)
+            frag.version += 1
+            if r.flush:
+                self.changed_flush += 1
+            else:
+                self.changed_training += 1
+            if self.config.checkpoint_every > 0 and (self.commits + 1) % self.config.checkpoint_every == 0:
+                self.checkpoint_due = True
+        frag.committing = False
+        for p in pushes:
             led = self.islands[p.island].ledger
-            led.merges += 1 if w > 0 else 0
+            led.merges += 1 if p.weight > 0 else 0
             led.steps += p.local_steps
             led.tokens += p.tokens
+        del self.rounds[r.round]
         self.next_commit += 1
         self.commits += 1
-        if changed:
-            frag.version += 1
-            frag.published = [v.clone() for v in frag.values]
-            if self.config.checkpoint_every > 0 and self.commits % self.config.checkpoint_every == 0:
-                self.checkpoint_due = True
+        if self.flush_left is not None and r.flush:
+            self.flush_left.discard(r.fragment)
+        order = r.sum.fold_order if r.sum is not None else []
         self.events.append(
             {
                 "time": now,
@@ -429,13 +642,16 @@ class SyncerState:
                 "attempt": r.attempt,
                 "members": sorted(r.members),
                 "pushed": [p.island for p in pushes],
-                "weights": {str(p.island): w for p, w in zip(pushes, weights)},
+                "weights": {str(p.island): p.weight for p in pushes},
+                "fold_order": order[0] if order and all(o == order[0] for o in order) else order,
                 "changed": changed,
+                "flush": r.flush,
             }
         )
         log.info(
-            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s)",
-            r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], weights,
+            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)",
+            r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
+            ", flush" if r.flush else "",
         )
         if not changed:
             return
@@ -444,16 +660,10 @@ class SyncerState:
             if isl.cut_sent:
                 out.append(self._bcast(isl, frag, r.round, cut=False))
 
-    def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> Outgoing:
-        return Outgoing(
-            isl.peer,
-            Bcast(fragment=frag.index, version=frag.version, round=round_, cut=cut),
-            tuple(frag.named_published()),
-            isl.wire_dtype,
-            ("BCAST", frag.index, frag.version, round_, cut, isl.wire_dtype),
-        )
+    def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> OutStream:
+        return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, isl.wire_dtype)
 
-    def _deliver_cuts(self, out: list[Outgoing]) -> None:
+    def _deliver_cuts(self, out: list[Out]) -> None:
         if not self.initialised:
             return
         for isl in self.live():
@@ -468,39 +678,60 @@ class SyncerState:
                 if isl.island in r.members and isl.island not in r.pushes and not r.closed:
                     out.append(self._pull(r, isl.island))
 
-    def _open_rounds(self, now: float, out: list[Outgoing]) -> None:
+    def _finished_training(self, isl: IslandRecord) -> bool:
+        total = self.config.total_steps
+        return isl.done or (total > 0 and isl.last_step >= total)
+
+    def _open_rounds(self, now: float, out: list[Out]) -> None:
+        """The round clock (docs/PROTOCOL.md, "Rounds"): the K-th fastest island still training
+        opens rounds; once every island finished, one flush round per fragment."""
         if not self.initialised:
             return
         ready = [i for i in self.live() if i.cut_sent]
         if not ready:
             return
-        top = max(i.last_step for i in ready)
+        members = frozenset(i.island for i in ready)
         p, h = self.n_fragments, self.config.sync_every
-        while True:
-            t = self.next_open
-            threshold = (t * h + p - 1) // p  # ceil(t * H / P)
-            if self.config.total_steps > 0 and threshold > self.config.total_steps:
-                return
-            if top < threshold:
-                return
-            fragment = (t - 1) % p
+        training = sorted((i.last_step for i in ready if not i.done), reverse=True)
+        if training:
+            clock = training[min(self.config.effective_quorum, len(training)) - 1]
+            while True:
+                t = self.next_open
+                threshold = (t * h + p - 1) // p  # ceil(t * H / P)
+                if self.config.total_steps > 0 and threshold > self.config.total_steps:
+                    break  # the schedule is over: only the flush is left
+                if clock < threshold:
+                    return
+                fragment = (t - 1) % p
+                if any(r.fragment == fragment for r in self.rounds.values()):
+                    return  # the previous round of this fragment is still uncommitted
+                self._open(t, fragment, members, now, out, flush=False)
+                log.info("open round %d fragment %d (clock step %d >= %d), members %s", t, fragment, clock,
+                         threshold, sorted(members))
+        if not all(self._finished_training(i) for i in ready):
+            return
+        if self.flush_left is None:
+            self.flush_left = set(range(p))
+            log.info("every island finished training: one flush round per fragment merges their last steps")
+        for fragment in sorted(self.flush_left):
             if any(r.fragment == fragment for r in self.rounds.values()):
-                return  # the previous round of this fragment is still uncommitted
-            members = frozenset(i.island for i in ready)
-            r = RoundRecord(round=t, fragment=fragment, attempt=0, members=members, attempt_started=now)
-            self.rounds[t] = r
-            self.next_open += 1
-            log.info("open round %d fragment %d (step %d >= %d), members %s", t, fragment, top, threshold, sorted(members))
-            out.extend(self._pull(r, i) for i in sorted(members))
+                continue
+            if any(r.flush and r.fragment == fragment for r in self.rounds.values()):
+                continue
+            self._open(self.next_open, fragment, members, now, out, flush=True)
+            log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))
 
-    def _maybe_finalize(self, now: float, out: list[Outgoing]) -> None:
-        if not self.initialised or self.rounds:
+    def _open(self, t: int, fragment: int, members: frozenset[int], now: float, out: list[Out], flush: bool) -> None:
+        r = RoundRecord(round=t, fragment=fragment, attempt=0, members=members, attempt_started=now, flush=flush)
+        self.rounds[t] = r
+        self.next_open = t + 1
+        out.extend(self._pull(r, i) for i in sorted(members))
+
+    def _maybe_finalize(self, now: float, out: list[Out]) -> None:
+        if not self.initialised or self.rounds or self.flush_left is None or self.flush_left:
             return
         live = self.live()
-        if not live:
-            return
-        total = self.config.total_steps
-        if not all(i.done or (total > 0 and i.last_step >= total) for i in live):
+        if not live or not all(self._finished_training(i) for i in live):
             return
         missing = [i.island for i in self.islands if not i.joined]
         if missing:
@@ -512,21 +743,19 @@ class SyncerState:
         self.final_deadline = now + self.config.final_timeout_s
         self.final_expected = frozenset(i.island for i in live)
         versions = self.versions()
-        log.info("finalizing: FINAL %s to islands %s", list(versions), sorted(self.final_expected))
+        m = self.merged_summary()
+        log.info("finalizing: FINAL %s to islands %s; merged: %s", list(versions), sorted(self.final_expected), m)
+        if m["scheduled_rounds"] and m["changed_in_training"] < m["scheduled_rounds"]:
+            log.warning("only %d of %d scheduled rounds changed the model during training (the others merged "
+                        "nothing: islands pushed no local steps, or rounds opened too late)",
+                        m["changed_in_training"], m["scheduled_rounds"])
+        self.events.append({"time": now, "summary": m})
         for isl in live:
             isl.final_acked = False
             for frag in self.fragments:
-                out.append(
-                    Outgoing(
-                        isl.peer,
-                        Final(fragment=frag.index, version=frag.version, n_fragments=self.n_fragments, versions=versions),
-                        tuple(frag.named_published()),
-                        "float32",
-                        ("FINAL", frag.index, frag.version),
-                    )
-                )
+                out.append(OutStream(isl.peer, "FINAL", frag.index, frag.version, 0, False, "float32", versions))
 
-    def _finish(self, code: int, reason: str, out: list[Outgoing]) -> None:
+    def _finish(self, code: int, reason: str, out: list[Out]) -> None:
         self.phase = "done"
         self.exit_code = code
         self.checkpoint_due = True
@@ -543,20 +772,23 @@ class SyncerState:
     def snapshot(self) -> Snapshot:
         """The checkpointable state, consistent as of now, safe to write on another thread.
 
-        Tensors are shared, not copied: values are the immutable ``published`` clones, and
-        every momentum is *pinned* until :meth:`release_snapshot`, so a commit in between
-        copies that fragment's momentum before updating it. A checkpoint therefore costs
-        no extra memory unless fragments commit while it is being written.
+        Tensors are shared, not copied: values are never written in place (a commit writes
+        the next value elsewhere), and every momentum is *pinned* until
+        :meth:`release_snapshot`, so a commit in between writes its new momentum beside the
+        old one. A checkpoint therefore costs no extra memory unless fragments commit while
+        it is being written.
         """
         if not self.initialised or self.fingerprint is None:
             raise RuntimeError("nothing to checkpoint before every fragment is initialised")
         self.pinned = set(range(len(self.fragments)))
+        frags = []
+        for f in self.fragments:
+            assert f.value is not None and f.momentum is not None
+            frags.append(FragmentSnapshot(f.version, f.schema, f.value, f.momentum))
         return Snapshot(
             fingerprint=self.fingerprint,
             n_fragments=self.n_fragments,
-            fragments=tuple(
-                FragmentSnapshot(f.version, f.schema, tuple(f.published), tuple(f.momentum)) for f in self.fragments
-            ),
+            fragments=tuple(frags),
             next_round=self.next_commit,
             ledgers={i.island: i.ledger.to_json() for i in self.islands},
             hyper={
@@ -574,23 +806,15 @@ class SyncerState:
             raise ValueError(f"checkpoint next_round {snap.next_round} < 1")
         frags: list[FragmentRecord] = []
         for idx, fs in enumerate(snap.fragments):
-            if len(fs.values) != len(fs.schema) or len(fs.momentum) != len(fs.schema) or not fs.schema:
-                raise ValueError(f"checkpoint fragment {idx}: tensors do not match its schema")
-            for (name, _d, shape), v, m in zip(fs.schema, fs.values, fs.momentum):
-                for t in (v, m):
-                    if t.dtype != torch.float32 or tuple(t.shape) != shape:
-                        raise ValueError(f"checkpoint fragment {idx} tensor {name!r}: {t.dtype} {tuple(t.shape)}")
-            values = [v.contiguous() for v in fs.values]
-            frags.append(
-                FragmentRecord(
-                    index=idx,
-                    schema=fs.schema,
-                    values=values,
-                    momentum=[m.contiguous() for m in fs.momentum],
-                    published=[v.clone() for v in values],
-                    version=fs.version,
-                )
-            )
+            if not fs.schema:
+                raise ValueError(f"checkpoint fragment {idx}: empty schema")
+            layout = FragmentLayout.of([(n, s) for n, _d, s in fs.schema])
+            for t in (fs.value, fs.momentum):
+                if t.dtype != torch.float32 or tuple(t.shape) != (layout.numel,):
+                    raise ValueError(f"checkpoint fragment {idx}: {t.dtype} {tuple(t.shape)}, expected "
+                                     f"float32 ({layout.numel},)")
+            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=fs.value.contiguous(),
+                                        momentum=fs.momentum.contiguous(), version=fs.version, initialised=True))
         for island, led in snap.ledgers.items():
             if 0 <= island < self.config.islands:
                 ledger = self.islands[island].ledger

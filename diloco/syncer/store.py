@@ -2,7 +2,7 @@
 
 Layout (docs/PROTOCOL.md, "Checkpoint")::
 
-    DIR/ckpt-00000042/values.safetensors     fp32 global values, key "<fragment>/<name>"
+    DIR/ckpt-00000042/values.safetensors     fp32 global values, one flat tensor per fragment, key "<fragment>"
     DIR/ckpt-00000042/momentum.safetensors   fp32 outer momentum, same keys
     DIR/ckpt-00000042/manifest.json          fingerprint, versions, schemas, next round, ledgers, hyper
     DIR/latest                               "ckpt-00000042\n"
@@ -12,13 +12,19 @@ written into a temporary directory, fsynced and renamed into place with one
 ``os.replace``; only then is ``latest`` replaced (also a rename). A reader that
 finds ``latest`` missing or pointing at a broken directory falls back to the
 newest directory whose manifest and files validate. Nothing is ever pickled:
-safetensors holds raw tensors, the manifest is plain JSON.
+safetensors holds raw tensors, the manifest is plain JSON (its schema names and
+shapes each fragment's tensors within the flat stream).
+
+The safetensors files are written here, not by ``safetensors.torch.save_file``:
+that builds each file's bytes in memory first, a second copy of the whole model
+on the syncer; this writer streams the tensors' own memory to disk.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,13 +33,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from diloco.syncer.records import FragmentSnapshot, Snapshot, TensorSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT = "yeto-syncer-checkpoint/1"
+FORMAT = "yeto-syncer-checkpoint/2"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
 _MAX_MANIFEST_BYTES = 64 << 20
 
@@ -55,8 +60,22 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _key(fragment: int, name: str) -> str:
-    return f"{fragment}/{name}"
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write fp32 tensors in the safetensors format, streaming each tensor's memory (no copy)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * 4
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            flat = t.detach().reshape(-1).contiguous()
+            f.write(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 class CheckpointStore:
@@ -72,6 +91,10 @@ class CheckpointStore:
         self.root = Path(root)
         self.keep = max(1, keep)
         self.root.mkdir(parents=True, exist_ok=True)
+        # A write killed half-way leaves its temporary directory behind: clean those at start.
+        for stale in self.root.glob(".tmp-ckpt-*"):
+            log.warning("removing %s left by an interrupted checkpoint write", stale)
+            shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ write
 
@@ -97,14 +120,13 @@ class CheckpointStore:
         momentum: dict[str, torch.Tensor] = {}
         frags: list[dict[str, Any]] = []
         for idx, fs in enumerate(snap.fragments):
-            for (tname, _dt, _shape), v, m in zip(fs.schema, fs.values, fs.momentum):
-                values[_key(idx, tname)] = v.contiguous()
-                momentum[_key(idx, tname)] = m.contiguous()
+            values[str(idx)] = fs.value
+            momentum[str(idx)] = fs.momentum
             frags.append(
                 {"version": fs.version, "schema": [[n, d, list(s)] for n, d, s in fs.schema]}
             )
-        save_file(values, str(tmp / "values.safetensors"))
-        save_file(momentum, str(tmp / "momentum.safetensors"))
+        _write_safetensors(tmp / "values.safetensors", values)
+        _write_safetensors(tmp / "momentum.safetensors", momentum)
         manifest = {
             "format": FORMAT,
             "fingerprint": snap.fingerprint,
@@ -224,19 +246,18 @@ class CheckpointStore:
         expected_keys: set[str] = set()
         for idx, fr in enumerate(man["fragments"]):
             schema: tuple[TensorSpec, ...] = tuple((n, d, tuple(s)) for n, d, s in fr["schema"])
-            vals: list[torch.Tensor] = []
-            moms: list[torch.Tensor] = []
-            for name, _d, shape in schema:
-                key = _key(idx, name)
-                expected_keys.add(key)
-                for which, dest in (("values", vals), ("momentum", moms)):
-                    t = tensors[which].get(key)
-                    if t is None:
-                        raise CheckpointError(f"{which}: tensor {key!r} missing")
-                    if t.dtype != torch.float32 or tuple(t.shape) != shape:
-                        raise CheckpointError(f"{which}: {key!r} is {t.dtype} {tuple(t.shape)}, manifest says {shape}")
-                    dest.append(t)
-            frags.append(FragmentSnapshot(fr["version"], schema, tuple(vals), tuple(moms)))
+            numel = sum(math.prod(s) for _n, _d, s in schema)
+            key = str(idx)
+            expected_keys.add(key)
+            flat: dict[str, torch.Tensor] = {}
+            for which in ("values", "momentum"):
+                t = tensors[which].get(key)
+                if t is None:
+                    raise CheckpointError(f"{which}: fragment {key!r} missing")
+                if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
+                    raise CheckpointError(f"{which}: fragment {key} is {t.dtype} {tuple(t.shape)}, manifest says ({numel},)")
+                flat[which] = t
+            frags.append(FragmentSnapshot(fr["version"], schema, flat["values"], flat["momentum"]))
         for which in ("values", "momentum"):
             extra = set(tensors[which]) - expected_keys
             if extra:

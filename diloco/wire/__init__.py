@@ -12,11 +12,14 @@ Split in three small modules: :mod:`.schema` (constants, limits, headers),
 buffers).  Import everything from here: ``from diloco import wire``.
 """
 
-from diloco.wire.codec import Message, decode, encode, payload_bytes
+from diloco.wire.codec import EMPTY_PAYLOAD, Message, Opened, Payload, decode, encode, encode_payload, open_message, payload_bytes, seal
+from diloco.wire.parts import FragmentLayout, check_part_elems
 from diloco.wire.hostpool import HostBufferPool, default_receive_pool
 from diloco.wire.schema import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_PART_ELEMS,
     MAC_BYTES,
+    PART_ALIGN_ELEMS,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     Bcast,
@@ -60,8 +63,18 @@ __all__ = [
     "Message",
     "encode",
     "decode",
+    "encode_payload",
+    "seal",
+    "open_message",
+    "Opened",
+    "Payload",
+    "EMPTY_PAYLOAD",
+    "DEFAULT_PART_ELEMS",
+    "PART_ALIGN_ELEMS",
     "payload_bytes",
     "kind_of",
+    "FragmentLayout",
+    "check_part_elems",
     "HostBufferPool",
     "default_receive_pool",
 ]

@@ -28,6 +28,7 @@ import hmac
 import math
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
@@ -76,6 +77,92 @@ def _wire_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
 
 
+class Payload(NamedTuple):
+    """Tensor metas and chunk frames of a message, without header or MAC.
+
+    Building a payload is the work that grows with bytes (dtype conversion, one
+    xxh3 pass); :func:`seal` then adds a header and its MAC in time independent of
+    the payload size.  So a sender can encode on a worker thread and seal on a
+    latency-sensitive one, and reuse one payload under many headers (the same
+    broadcast part to every island)."""
+
+    metas: tuple[TensorMeta, ...]
+    frames: tuple[memoryview, ...]
+    chunk_bytes: int
+    nbytes: int
+
+
+EMPTY_PAYLOAD = Payload((), (), DEFAULT_CHUNK_BYTES, 0)
+
+
+def encode_payload(
+    tensors: Sequence[tuple[str, torch.Tensor]] = (),
+    *,
+    wire_dtype: str | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    parallel: bool = True,
+) -> Payload:
+    """Chunk and digest ``tensors`` (see :func:`encode` for the arguments and their rules).
+
+    ``parallel=False`` digests on the calling thread (a caller that is itself one of
+    several workers does not want the shared chunk threads on top)."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"encode: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    target: torch.dtype | None = None
+    if wire_dtype is not None:
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"encode: wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        target = WIRE_DTYPES[wire_dtype]
+
+    metas: list[TensorMeta] = []
+    chunk_frames: list[memoryview] = []
+    seen: set[str] = set()
+    nbytes = 0
+    for name, tensor in tensors:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"encode: tensor names must be non-empty str, got {name!r}")
+        if name in seen:
+            raise ValueError(f"encode: duplicate tensor name {name!r}")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"encode: tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        t = tensor.detach()
+        # Convert before moving to CPU: on an accelerator the cast is cheap and
+        # halves the device-to-host bytes for bf16.  Both calls return ``t``
+        # itself when nothing changes, which keeps the fp32 hot path copy-free.
+        if target is not None:
+            t = t.to(target)
+        elif t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"encode: tensor {name!r} has dtype {t.dtype}; pass wire_dtype or use float32/bfloat16")
+        t = t.cpu().contiguous()
+        data = _wire_bytes(t)
+        nbytes += data.nbytes
+        chunks = [data[offset : offset + chunk_bytes] for offset in range(0, data.nbytes, chunk_bytes)]
+        chunk_frames.extend(chunks)
+        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=(len(chunks),)))
+
+    # Digest every chunk of the message at once, in parallel when it is large
+    # (xxhash releases the GIL); then put each tensor's digests into its meta.
+    all_digests = _map_chunks(xxhash.xxh3_64_intdigest, chunk_frames, parallel)
+    start = 0
+    for i, meta in enumerate(metas):
+        count = meta.chunks[0]
+        metas[i] = TensorMeta(meta.name, meta.dtype, meta.shape, tuple(all_digests[start : start + count]))
+        start += count
+    return Payload(tuple(metas), tuple(chunk_frames), chunk_bytes, nbytes)
+
+
+def seal(header: Header, payload: Payload = EMPTY_PAYLOAD, *, key: bytes = b"") -> list[bytes | memoryview]:
+    """Frames of ``header`` plus an encoded payload: the envelope and its MAC (cheap)."""
+    if not isinstance(header, HEADER_TYPES):
+        raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
+    body = ENVELOPE_ENCODER.encode(
+        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=payload.chunk_bytes, tensors=payload.metas)
+    )
+    mac = hmac.digest(key, body, "sha256")
+    return [mac, body, *payload.frames]
+
+
 def encode(
     header: Header,
     tensors: Sequence[tuple[str, torch.Tensor]] = (),
@@ -100,7 +187,8 @@ def encode(
     A contiguous CPU tensor already in the wire dtype is not copied: its chunks
     are memoryviews of its storage, and the returned list keeps it alive, so do
     not modify such tensors until the send has completed.  Other tensors are
-    converted/moved/made contiguous once.
+    converted/moved/made contiguous once.  Equal to
+    ``seal(header, encode_payload(tensors, ...), key=key)``.
 
     Raises:
         TypeError / ValueError: for local misuse (not a header, unknown dtype,
@@ -108,53 +196,7 @@ def encode(
     """
     if not isinstance(header, HEADER_TYPES):
         raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"encode: chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    target: torch.dtype | None = None
-    if wire_dtype is not None:
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"encode: wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
-        target = WIRE_DTYPES[wire_dtype]
-
-    metas: list[TensorMeta] = []
-    chunk_frames: list[memoryview] = []
-    seen: set[str] = set()
-    for name, tensor in tensors:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"encode: tensor names must be non-empty str, got {name!r}")
-        if name in seen:
-            raise ValueError(f"encode: duplicate tensor name {name!r}")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"encode: tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        t = tensor.detach()
-        # Convert before moving to CPU: on an accelerator the cast is cheap and
-        # halves the device-to-host bytes for bf16.  Both calls return ``t``
-        # itself when nothing changes, which keeps the fp32 hot path copy-free.
-        if target is not None:
-            t = t.to(target)
-        elif t.dtype not in DTYPE_NAMES:
-            raise ValueError(f"encode: tensor {name!r} has dtype {t.dtype}; pass wire_dtype or use float32/bfloat16")
-        t = t.cpu().contiguous()
-        data = _wire_bytes(t)
-        chunks = [data[offset : offset + chunk_bytes] for offset in range(0, data.nbytes, chunk_bytes)]
-        chunk_frames.extend(chunks)
-        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=(len(chunks),)))
-
-    # Digest every chunk of the message at once, in parallel when it is large
-    # (xxhash releases the GIL); then put each tensor's digests into its meta.
-    all_digests = _map_chunks(xxhash.xxh3_64_intdigest, chunk_frames)
-    start = 0
-    for i, meta in enumerate(metas):
-        count = meta.chunks[0]
-        metas[i] = TensorMeta(meta.name, meta.dtype, meta.shape, tuple(all_digests[start : start + count]))
-        start += count
-
-    body = ENVELOPE_ENCODER.encode(
-        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=chunk_bytes, tensors=tuple(metas))
-    )
-    mac = hmac.digest(key, body, "sha256")
-    return [mac, body, *chunk_frames]
+    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes), key=key)
 
 
 # --------------------------------------------------------------------------- decode
@@ -231,6 +273,10 @@ def _plan_tensors(env: Envelope, limits: Limits) -> list[_Planned]:
             raise WireError(f"{where}: {len(meta.shape)} dims, limit {limits.max_ndim}")
         if any(d < 0 for d in meta.shape):
             raise WireError(f"{where}: negative dimension in shape {meta.shape}")
+        # Bound every dimension too: (0, 2**63) declares 0 bytes, yet torch refuses to
+        # allocate it with an error that is not a WireError.
+        if any(d > limits.max_tensor_bytes for d in meta.shape):
+            raise WireError(f"{where}: dimension above {limits.max_tensor_bytes} in shape {meta.shape[:8]}")
         # Python ints do not overflow, so an absurd shape is caught here, not wrapped.
         nbytes = math.prod(meta.shape) * itemsize
         if nbytes > limits.max_tensor_bytes:
@@ -248,27 +294,105 @@ def _plan_tensors(env: Envelope, limits: Limits) -> list[_Planned]:
     return planned
 
 
-def decode(
+class Opened:
+    """A message whose MAC, header and declared sizes were checked; payload not yet read.
+
+    :func:`open_message` does the part of decoding whose cost does not depend on the
+    payload size, so a latency-sensitive thread (the syncer's control loop) can run it
+    and hand the payload work (digests, copies, arithmetic) to another thread.  The
+    object keeps the received frames alive, so its chunk views stay valid as long as it
+    does.
+    """
+
+    __slots__ = ("header", "chunk_bytes", "metas", "nbytes", "_chunks", "_sizes")
+
+    def __init__(self, header: Header, chunk_bytes: int, planned: list[_Planned], chunks: list[memoryview]) -> None:
+        self.header = header
+        self.chunk_bytes = chunk_bytes
+        self.metas: tuple[TensorMeta, ...] = tuple(p.meta for p in planned)
+        self._sizes = [p.nbytes for p in planned]
+        self.nbytes: int = sum(self._sizes)
+        self._chunks = chunks
+
+    def _jobs(self) -> list[tuple[int, int, int, memoryview, int]]:
+        """(tensor index, chunk index in tensor, byte offset in tensor, chunk, digest) for every chunk."""
+        jobs = []
+        j = 0
+        for i, meta in enumerate(self.metas):
+            offset = 0
+            for c, digest in enumerate(meta.chunks):
+                chunk = self._chunks[j]
+                jobs.append((i, c, offset, chunk, digest))
+                offset += chunk.nbytes
+                j += 1
+        return jobs
+
+    def verify(self, parallel: bool = True) -> None:
+        """Check every chunk's digest (on the chunk threads); raise :class:`WireError` on the first bad one."""
+        jobs = self._jobs()
+        verdicts = _map_chunks(lambda job: xxhash.xxh3_64_intdigest(job[3]) == job[4], jobs, parallel)
+        for ok, (i, c, _o, _ch, _d) in zip(verdicts, jobs):
+            if not ok:
+                raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
+
+    def chunk_views(self) -> list[tuple[int, int, torch.Tensor]]:
+        """Zero-copy 1-D tensors over every chunk: ``(tensor index, element offset, view)``.
+
+        Call :meth:`verify` first.  The views alias the received frames: read them
+        while this object is alive, never write them."""
+        out = []
+        for i, _c, offset, chunk, _d in self._jobs():
+            dtype = WIRE_DTYPES[self.metas[i].dtype]
+            itemsize = ITEMSIZE[self.metas[i].dtype]
+            if chunk.nbytes == 0:
+                continue
+            arr = np.frombuffer(chunk, dtype=np.uint8)
+            with warnings.catch_warnings():  # received frames are read-only; we never write them
+                warnings.simplefilter("ignore", UserWarning)
+                view = torch.from_numpy(arr).view(dtype)
+            out.append((i, offset // itemsize, view))
+        return out
+
+    def copy_into(self, dests: Sequence[torch.Tensor], parallel: bool = True) -> None:
+        """Verify and copy every tensor into ``dests`` (contiguous CPU tensors of the declared
+        dtype and element count, one per tensor): the one copy decoding makes."""
+        if len(dests) != len(self.metas):
+            raise ValueError(f"copy_into: {len(dests)} destinations for {len(self.metas)} tensors")
+        flat = []
+        for d, meta, size in zip(dests, self.metas, self._sizes):
+            if d.dtype != WIRE_DTYPES[meta.dtype] or d.numel() * d.element_size() != size or not d.is_contiguous():
+                raise ValueError(f"copy_into: destination for {meta.name!r} does not match its declaration")
+            flat.append(d.reshape(-1).view(torch.uint8).numpy())
+        jobs = [(chunk, digest, flat[i][offset : offset + chunk.nbytes]) for i, _c, offset, chunk, digest in self._jobs()]
+        # Every job runs to completion before we report the first bad chunk, so no
+        # worker is still writing into a tensor the caller might see.
+        verdicts = _map_chunks(_check_and_copy, jobs, parallel)
+        for ok, (i, c, _o, _ch, _d) in zip(verdicts, self._jobs()):
+            if not ok:
+                raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
+
+    def tensors(self, pool: HostBufferPool | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Allocate (from ``pool``), verify and copy every tensor: the classic decode result."""
+        receive_pool = default_receive_pool() if pool is None else pool
+        out = [(m.name, receive_pool.empty(m.shape, WIRE_DTYPES[m.dtype])) for m in self.metas]
+        self.copy_into([t for _, t in out])
+        return out
+
+
+def open_message(
     frames: Sequence[bytes | memoryview | zmq.Frame],
     *,
     key: bytes = b"",
     limits: Limits = Limits(),
-    pool: HostBufferPool | None = None,
-) -> Message:
-    """Validate and decode one multipart message.
+) -> Opened:
+    """Authenticate a message and check every declared size; read no payload byte.
 
     Checks, in this order (each before anything it guards is touched): frame
     count, MAC frame length, header length, MAC (constant-time, before the
     header is parsed), strict msgspec decode, protocol version, per-kind
     fields, tensor count, chunk size, every tensor's name/dtype/ndim/dims/bytes
     and the message total against ``limits``, the number and length of chunk
-    frames; only then are tensors allocated, and each chunk's xxh3-64 digest is
-    checked as it is copied in (the one copy decoding makes).
-
-    Tensors come from ``pool`` (default: :func:`default_receive_pool`), so a
-    fragment's buffers freed after one round are reused by the next one
-    instead of page-faulting fresh memory; pass ``HostBufferPool(0)`` for
-    plain ``torch.empty`` tensors.
+    frames.  Cost: proportional to the header, not to the payload.
 
     Raises:
         WireError: with a one-line ``reason`` on anything malformed, oversized,
@@ -294,7 +418,7 @@ def decode(
     if n_frames - 2 != n_chunks:
         raise WireError(f"{n_frames - 2} chunk frames, header declares {n_chunks}")
     chunks = [_as_bytes_view(frames[2 + j], 2 + j) for j in range(n_chunks)]
-    # Check every chunk length before allocating, so a truncated message costs nothing.
+    # Check every chunk length before anything is allocated, so a truncated message costs nothing.
     j = 0
     for p in planned:
         for c in range(len(p.meta.chunks)):
@@ -302,30 +426,30 @@ def decode(
             if chunks[j].nbytes != want:
                 raise WireError(f"chunk {c} of {p.meta.name[:80]!r} is {chunks[j].nbytes} bytes, expected {want}")
             j += 1
+    return Opened(env.header, env.chunk_bytes, planned, chunks)
 
-    receive_pool = default_receive_pool() if pool is None else pool
-    out: list[tuple[str, torch.Tensor]] = []
-    jobs: list[tuple[memoryview, int, np.ndarray]] = []  # (chunk, digest, destination slice)
-    where: list[tuple[int, str]] = []  # (chunk index within its tensor, tensor name) for reasons
-    j = 0
-    for p in planned:
-        tensor = receive_pool.empty(p.meta.shape, WIRE_DTYPES[p.meta.dtype])
-        dest = tensor.reshape(-1).view(torch.uint8).numpy()
-        offset = 0
-        for c, digest in enumerate(p.meta.chunks):
-            chunk = chunks[j]
-            j += 1
-            jobs.append((chunk, digest, dest[offset : offset + chunk.nbytes]))
-            where.append((c, p.meta.name))
-            offset += chunk.nbytes
-        out.append((p.meta.name, tensor))
-    # Every job runs to completion before we report the first bad chunk, so no
-    # worker is still writing into a tensor the caller might see.
-    verdicts = _map_chunks(_check_and_copy, jobs)
-    for ok, (c, name) in zip(verdicts, where):
-        if not ok:
-            raise WireError(f"chunk {c} of {name[:80]!r} fails its digest (corrupted or tampered)")
-    return Message(header=env.header, tensors=out)
+
+def decode(
+    frames: Sequence[bytes | memoryview | zmq.Frame],
+    *,
+    key: bytes = b"",
+    limits: Limits = Limits(),
+    pool: HostBufferPool | None = None,
+) -> Message:
+    """Validate and decode one multipart message: :func:`open_message`, then every chunk's
+    xxh3-64 digest checked as it is copied into a tensor from ``pool`` (the one copy).
+
+    Tensors come from ``pool`` (default: :func:`default_receive_pool`), so a
+    fragment's buffers freed after one round are reused by the next one
+    instead of page-faulting fresh memory; pass ``HostBufferPool(0)`` for
+    plain ``torch.empty`` tensors.
+
+    Raises:
+        WireError: with a one-line ``reason`` on anything malformed, oversized,
+        unauthenticated or of another protocol version.
+    """
+    opened = open_message(frames, key=key, limits=limits)
+    return Message(header=opened.header, tensors=opened.tensors(pool))
 
 
 def _check_and_copy(job: tuple[memoryview, int, np.ndarray]) -> bool:
@@ -358,7 +482,7 @@ _In = TypeVar("_In")
 _Out = TypeVar("_Out")
 
 
-def _map_chunks(fn: Callable[[_In], _Out], items: list[_In]) -> list[_Out]:
+def _map_chunks(fn: Callable[[_In], _Out], items: list[_In], parallel: bool = True) -> list[_Out]:
     """``[fn(x) for x in items]``, on the chunk threads when the message is large.
 
     The executor is shared by every socket thread of the process; ``map``
@@ -366,7 +490,7 @@ def _map_chunks(fn: Callable[[_In], _Out], items: list[_In]) -> list[_Out]:
     exception, after the others finished).
     """
     global _executor
-    if CHUNK_THREADS <= 1 or len(items) < _PARALLEL_MIN_CHUNKS:
+    if not parallel or CHUNK_THREADS <= 1 or len(items) < _PARALLEL_MIN_CHUNKS:
         return [fn(x) for x in items]
     if _executor is None:
         with _executor_lock:

@@ -15,8 +15,16 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-PROTOCOL_VERSION: int = 1
-"""Bumped on any incompatible change of the envelope or of a header kind."""
+PROTOCOL_VERSION: int = 2
+"""Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments)."""
+
+DEFAULT_PART_ELEMS: int = 8 << 20
+"""Elements per part of a fragment stream (32 MiB of fp32): the syncer's ``--part-mib`` sets it
+and WELCOME tells islands.  A multiple of ``PART_ALIGN_ELEMS``."""
+
+PART_ALIGN_ELEMS: int = 4096
+"""Part boundaries are multiples of this many elements, so block-quantized payloads never
+straddle two parts."""
 
 DEFAULT_CHUNK_BYTES: int = 4 << 20
 """Chunk size used by :func:`encode`: large enough that per-frame overhead is
@@ -49,9 +57,9 @@ class WireError(Exception):
 class Limits:
     """Upper bounds a receiver enforces on every declared size before allocating.
 
-    The defaults admit a 8 GiB tensor and a 32 GiB message, far above any
-    fragment we plan, while refusing absurd declarations (e.g. ``2**40``
-    elements) without touching memory.  Sizes are in bytes unless noted.
+    The defaults admit parts of 128 MiB and fragments of 32 GiB, while refusing
+    absurd declarations (e.g. ``2**40`` elements) without touching memory.
+    Sizes are in bytes unless noted.
     """
 
     max_header_bytes: int = 2 << 20
@@ -60,14 +68,18 @@ class Limits:
     (hundreds of experts x layers) while staying trivially cheap to refuse."""
     max_tensors: int = 16384
     """Number of tensors in one message."""
-    max_tensor_bytes: int = 8 << 30
-    """Bytes of one tensor (numel * itemsize)."""
-    max_message_bytes: int = 32 << 30
-    """Sum of tensor bytes in one message."""
+    max_tensor_bytes: int = 128 << 20
+    """Bytes of one tensor (numel * itemsize) of one message: a segment of a part."""
+    max_message_bytes: int = 128 << 20
+    """Sum of tensor bytes in one message.  Fragments travel as parts of a few tens of MiB
+    (``Welcome.part_elems``), so neither zmq nor our code ever holds a multi-GB message."""
     max_chunk_bytes: int = 64 << 20
     """Declared chunk size (every chunk frame is at most this long)."""
     max_ndim: int = 8
     """Number of dimensions of one tensor."""
+    max_fragment_bytes: int = 32 << 30
+    """fp32 bytes of one fragment.  A HELLO whose plan exceeds it is refused with the fix
+    (more fragments) instead of failing later at the wire level."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +89,7 @@ class Limits:
             "max_message_bytes",
             "max_chunk_bytes",
             "max_ndim",
+            "max_fragment_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -115,6 +128,8 @@ class Hello(_HeaderBase, tag="HELLO"):
     fingerprint: str
     n_fragments: int
     wire_dtype: str
+    fragment_numel: tuple[int, ...] = ()
+    """Elements of each fragment of the island's plan, checked against the syncer's limits."""
 
 
 class Welcome(_HeaderBase, tag="WELCOME"):
@@ -126,15 +141,23 @@ class Welcome(_HeaderBase, tag="WELCOME"):
     versions: tuple[int, ...]
     sync_every: int
     total_steps: int
+    part_elems: int = DEFAULT_PART_ELEMS
+    """Elements per part of every fragment stream (see ``diloco.wire.parts``)."""
 
 
 class Init(_HeaderBase, tag="INIT"):
-    """island 0 -> syncer: initial fp32 value of one fragment."""
+    """island 0 -> syncer: one part of the initial fp32 value of one fragment.
+
+    Part 0 carries the fragment's ``schema`` (canonical names and global shapes, plan
+    order); the other parts carry ``()``."""
 
     island: int
     generation: int
     fragment: int
     n_fragments: int
+    part: int = 0
+    n_parts: int = 1
+    schema: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class Pull(_HeaderBase, tag="PULL"):
@@ -156,6 +179,9 @@ class Push(_HeaderBase, tag="PUSH"):
     base_version: int
     local_steps: int
     tokens: int
+    part: int = 0
+    n_parts: int = 1
+    """0 for a zero-weight push (``local_steps == 0``): it carries no tensors."""
 
 
 class Bcast(_HeaderBase, tag="BCAST"):
@@ -165,6 +191,8 @@ class Bcast(_HeaderBase, tag="BCAST"):
     version: int
     round: int
     cut: bool
+    part: int = 0
+    n_parts: int = 1
 
 
 class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
@@ -184,6 +212,8 @@ class Final(_HeaderBase, tag="FINAL"):
     version: int
     n_fragments: int
     versions: tuple[int, ...]
+    part: int = 0
+    n_parts: int = 1
 
 
 class FinalAck(_HeaderBase, tag="FINAL_ACK"):

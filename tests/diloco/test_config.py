@@ -48,3 +48,34 @@ def test_key_file_read_alike_by_islands_and_syncer(tmp_path) -> None:
             _read_key(str(path))
     with pytest.raises(ConfigError, match="only one"):
         IslandConfig.from_env(dict(BASE, YETO_SYNC_KEY="k", YETO_SYNC_KEY_FILE=str(good)))
+
+
+def test_built_in_code_with_the_same_checks() -> None:
+    cfg = IslandConfig(sync_addr="tcp://127.0.0.1:5555", island_id=0, fragments=2, heartbeat_s=1, key="k")
+    assert (cfg.fragments, cfg.heartbeat_s, cfg.key) == (2, 1.0, b"k")
+    assert isinstance(cfg.heartbeat_s, float)
+    for bad, var in [(dict(island_id="0"), "YETO_ISLAND_ID"), (dict(alpha=1.5), "YETO_DILOCO_ALPHA"),
+                     (dict(fragments=True), "YETO_DILOCO_FRAGMENTS"), (dict(sync_addr="host:1"), "YETO_SYNC_ADDR"),
+                     (dict(heartbeat_s=float("nan")), "YETO_HEARTBEAT_S"), (dict(wire_dtype="fp8"), "YETO_WIRE_DTYPE"),
+                     (dict(cross_node_gloo=1), "YETO_CROSS_NODE_GLOO")]:
+        kwargs = {"sync_addr": "tcp://127.0.0.1:5555", "island_id": 0, **bad}
+        with pytest.raises(ConfigError, match=f"{next(iter(bad))} .*{var}"):
+            IslandConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="fragments"):
+        cfg.replace(fragments=0)
+
+
+def test_from_env_overrides_apply_before_validation() -> None:
+    # The required fields may come from overrides alone...
+    cfg = IslandConfig.from_env({}, sync_addr="tcp://10.0.0.5:5555", island_id=3)
+    assert (cfg.sync_addr, cfg.island_id, cfg.fragments) == ("tcp://10.0.0.5:5555", 3, 4)
+    # ...and win over variables, which are then not parsed at all.
+    cfg = IslandConfig.from_env(dict(BASE, YETO_DILOCO_FRAGMENTS="oops"), fragments=2)
+    assert (cfg.island_id, cfg.fragments) == (1, 2)
+    # Overrides are validated like everything else.
+    with pytest.raises(ConfigError, match="YETO_ISLAND_ID"):
+        IslandConfig.from_env({}, sync_addr="tcp://h:1", island_id=-1)
+    with pytest.raises(ConfigError, match="YETO_ISLAND_ID is not set"):
+        IslandConfig.from_env({}, sync_addr="tcp://h:1")
+    with pytest.raises(ConfigError, match="no field"):
+        IslandConfig.from_env(BASE, fragmnets=2)

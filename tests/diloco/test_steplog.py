@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from diloco.corpus import load_corpus
-from diloco.steplog import StepLog, StepRecord, parse_record, read_steplog, read_steplog_contents
+from diloco.steplog import BoundaryRecord, StepLog, StepRecord, parse_record, read_steplog, read_steplog_contents
 from diloco.steplog_report import format_table, main, summarize, version_lags
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,9 +21,10 @@ pytestmark = pytest.mark.timeout(60)
 
 def rec(step: int, **kw: Any) -> StepRecord:
     base: dict[str, Any] = dict(
-        step=step, time=1_700_000_000.0 + step, step_s=1.0, boundary_s=0.0, export_s=0.0, apply_s=0.0,
-        wait_s=0.0, bytes_sent=0, bytes_recv=0, pushes=0, applies=0, versions=[0, 0], round=0, attempt=-1,
-        events=[], loss=None, island=0,
+        step=step, phase="train", pushed=(), applied=(), installed=(), versions=(0, 0), blocked_s=0.0,
+        data_bytes_sent=0, data_bytes_recv=0, pushes=0, applies=0,
+        time=1_700_000_000.0 + step, step_s=1.0, export_s=0.0, apply_s=0.0, wait_s=0.0,
+        control_bytes_sent=0, control_bytes_recv=0, round=0, attempt=-1, events=[], loss=None, island=0,
     )
     base.update(kw)
     return StepRecord(**base)
@@ -38,23 +39,23 @@ def write_log(path: Path, records: list[StepRecord]) -> None:
 
 # A hand-made island log whose summary is worked out by hand below.
 HAND_LOG = [
-    rec(1, boundary_s=0.010, wait_s=0.002, loss=3.0,
+    rec(1, blocked_s=0.010, wait_s=0.002, loss=3.0,
         events=[{"type": "cut", "fragment": 0, "version": 0}, {"type": "cut", "fragment": 1, "version": 0}]),
-    rec(2, boundary_s=0.100, export_s=0.060, wait_s=0.020, bytes_sent=1000, pushes=1, round=1, attempt=0,
+    rec(2, blocked_s=0.100, export_s=0.060, wait_s=0.020, data_bytes_sent=1000, pushes=1, round=1, attempt=0,
         loss=2.9, events=[{"type": "push", "fragment": 0, "round": 1, "attempt": 0, "base_version": 0,
-                           "bytes": 1000, "local_steps": 2}]),
-    rec(3, boundary_s=0.050, apply_s=0.030, wait_s=0.010, bytes_recv=2000, pushes=1, applies=1,
-        versions=[1, 0], round=1, attempt=0,
-        events=[{"type": "apply", "fragment": 0, "version": 1, "round": 1, "bytes": 2000, "lag_steps": 1}]),
-    rec(4, step_s=2.0, boundary_s=0.020, export_s=0.010, wait_s=0.005, bytes_sent=3000, pushes=2, applies=1,
-        versions=[1, 0], round=2, attempt=0, loss=2.5,
+                           "data_bytes": 1000, "local_steps": 2}]),
+    rec(3, blocked_s=0.050, apply_s=0.030, wait_s=0.010, data_bytes_recv=2000, pushes=1, applies=1,
+        versions=(1, 0), round=1, attempt=0,
+        events=[{"type": "apply", "fragment": 0, "version": 1, "round": 1, "data_bytes": 2000, "lag_steps": 1}]),
+    rec(4, step_s=2.0, blocked_s=0.020, export_s=0.010, wait_s=0.005, data_bytes_sent=3000, pushes=2, applies=1,
+        versions=(1, 0), round=2, attempt=0, loss=2.5,
         events=[{"type": "push", "fragment": 1, "round": 2, "attempt": 0, "base_version": 0,
-                 "bytes": 3000, "local_steps": 2}]),
+                 "data_bytes": 3000, "local_steps": 2}]),
     # Fragment 1 was committed twice by others meanwhile: applied version 3
     # against base 0 means the push's anchor was 2 commits behind.
-    rec(5, boundary_s=0.220, apply_s=0.100, wait_s=0.100, bytes_recv=4000, pushes=2, applies=2,
-        versions=[1, 3], round=2, attempt=0, loss=2.4,
-        events=[{"type": "apply", "fragment": 1, "version": 3, "round": 2, "bytes": 4000, "lag_steps": 3}]),
+    rec(5, blocked_s=0.220, apply_s=0.100, wait_s=0.100, data_bytes_recv=4000, pushes=2, applies=2,
+        versions=(1, 3), round=2, attempt=0, loss=2.4,
+        events=[{"type": "apply", "fragment": 1, "version": 3, "round": 2, "data_bytes": 4000, "lag_steps": 3}]),
 ]
 
 
@@ -121,8 +122,10 @@ def test_malformed_lines_skipped_and_counted(tmp_path: Path, caplog: pytest.LogC
         json.dumps(missing),
         variant(step=True),
         variant(pushes=1.5),
-        variant(boundary_s=-0.1),
-        variant(bytes_sent=-1),
+        variant(blocked_s=-0.1),
+        variant(data_bytes_sent=-1),
+        variant(phase="warmup"),
+        variant(pushed=[0.5]),
         variant(versions=[0, "1"]),
         variant(events=[{"fragment": 0}]),
         variant(loss="low"),
@@ -173,7 +176,8 @@ def test_summary_numbers(tmp_path: Path) -> None:
     assert s.step_total_s == approx(6.0)
     assert s.sync_share == approx(0.4 / 6.4)
     assert s.rounds == 2  # cut events are not rounds
-    assert (s.bytes_sent, s.bytes_recv) == (4000, 6000)
+    assert (s.round_bytes_sent, s.round_bytes_recv) == (4000, 6000)
+    assert (s.data_bytes_sent, s.data_bytes_recv) == (4000, 6000)
     assert s.bytes_sent_per_round == approx(2000.0)
     assert s.bytes_recv_per_round == approx(3000.0)
     assert (s.pushes, s.applies) == (2, 2)
@@ -185,7 +189,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
 
 
 def test_version_lag_uses_latest_attempt(tmp_path: Path) -> None:
-    push = {"type": "push", "fragment": 0, "round": 4, "bytes": 1, "local_steps": 1}
+    push = {"type": "push", "fragment": 0, "round": 4, "data_bytes": 1, "local_steps": 1}
     records = [
         rec(1, events=[dict(push, attempt=0, base_version=1)]),
         # re-pulled: the attempt-1 push (anchor advanced to 2) is the one committed
@@ -193,8 +197,8 @@ def test_version_lag_uses_latest_attempt(tmp_path: Path) -> None:
         rec(3, events=[{"type": "apply", "fragment": 0, "version": 3, "round": 4}]),
         # an apply with no push of ours (we were not a member) is not derivable
         rec(4, events=[{"type": "apply", "fragment": 1, "version": 7, "round": 5, "lag_steps": None}]),
-        # finalization boundaries repeat the last step
-        rec(4, step_s=0.0, events=[{"type": "final", "versions": [3, 7]}]),
+        # finalization records carry phase "finish", not a training step
+        rec(4, phase="finish", step_s=0.0, events=[{"type": "final", "versions": [3, 7]}]),
     ]
     assert version_lags(records) == [0]
     path = tmp_path / "lags.jsonl"
@@ -203,6 +207,35 @@ def test_version_lag_uses_latest_attempt(tmp_path: Path) -> None:
     assert (s.records, s.steps, s.rounds) == (5, 4, 2)
     assert s.lag_steps_p50 is None and s.lag_steps_max is None
     assert s.version_lag_p50 == 0.0
+
+
+def test_phases_and_bytes_per_round_from_push_and_apply_events_only(tmp_path: Path) -> None:
+    records = [
+        rec(0, phase="start", step_s=0.0, blocked_s=5.0, data_bytes_sent=8000, data_bytes_recv=8000,
+            control_bytes_sent=300, control_bytes_recv=200, installed=(0, 1),
+            events=[{"type": "init", "fragment": 0, "data_bytes": 4000}, {"type": "init", "fragment": 1,
+                                                                         "data_bytes": 4000},
+                    {"type": "cut", "fragment": 0, "version": 0, "data_bytes": 4000},
+                    {"type": "cut", "fragment": 1, "version": 0, "data_bytes": 4000}]),
+        *HAND_LOG,
+        rec(5, phase="finish", step_s=0.0, blocked_s=2.0, data_bytes_recv=8000, control_bytes_recv=50,
+            installed=(0, 1), events=[{"type": "final", "versions": [1, 3], "data_bytes": 8000}]),
+    ]
+    path = tmp_path / "phases.jsonl"
+    write_log(path, records)
+    assert read_steplog(str(path)) == records
+    s = summarize(str(path))
+    assert (s.records, s.steps, s.first_step, s.last_step) == (7, 5, 1, 5)
+    assert (s.start_s, s.finish_s) == (5.0, 2.0)
+    # Start-up and finish are not training boundaries: the timing figures are HAND_LOG's.
+    assert s.boundary_total_s == pytest.approx(0.4) and s.sync_share == pytest.approx(0.4 / 6.4)
+    # INIT, the initial cut and the final cut are not rounds' bytes...
+    assert (s.round_bytes_sent, s.round_bytes_recv) == (4000, 6000)
+    assert (s.bytes_sent_per_round, s.bytes_recv_per_round) == (2000.0, 3000.0)
+    # ...but they are in the data totals, and control bytes are counted apart.
+    assert (s.data_bytes_sent, s.data_bytes_recv) == (12000, 22000)
+    assert (s.control_bytes_sent, s.control_bytes_recv) == (300, 250)
+    assert "start-up" in format_table([s])
 
 
 def test_empty_log_summary(tmp_path: Path) -> None:
@@ -233,6 +266,13 @@ def test_cli_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_boundary_part_of_a_record() -> None:
+    r = HAND_LOG[2]
+    b = r.boundary()
+    assert type(b) is BoundaryRecord and isinstance(r, BoundaryRecord)
+    assert (b.step, b.phase, b.versions, b.data_bytes_recv, b.applies) == (3, "train", (1, 0), 2000, 1)
 
 
 def test_corpus_is_shipped_text() -> None:

@@ -245,8 +245,12 @@ def test_tampered_truncated_and_extra_chunks() -> None:
 def test_oversized_declared_shape_fails_by_limit_without_allocating() -> None:
     pool = _CountingPool()
     meta = wire.TensorMeta(name="huge", dtype="float32", shape=(2**20, 2**20), chunks=())
-    err = _refused(_forge_envelope((meta,)), r"4398046511104 bytes declared, limit 8589934592", key=KEY, pool=pool)
+    err = _refused(_forge_envelope((meta,)), r"4398046511104 bytes declared, limit 134217728", key=KEY, pool=pool)
     assert "huge" in err.reason
+    assert pool.requests == []
+    # A zero-element shape with an absurd dimension declares 0 bytes; it is refused by its dimension.
+    zero = wire.TensorMeta(name="zero", dtype="float32", shape=(0, 2**63), chunks=())
+    _refused(_forge_envelope((zero,)), "dimension above", key=KEY, pool=pool)
     assert pool.requests == []
     # Many tensors each within the per-tensor limit, together above the message limit.
     limits = wire.Limits(max_tensor_bytes=1 << 20, max_message_bytes=3 << 20)
@@ -279,15 +283,15 @@ def test_bad_shapes_dtypes_counts_and_names() -> None:
 
 
 def test_wrong_protocol_version() -> None:
-    hello = wire.Hello(protocol=2, island=0, generation=1, fingerprint="f", n_fragments=1, wire_dtype="float32")
-    _refused(wire.encode(hello, key=KEY), "HELLO declares protocol 2, expected 1", key=KEY)
+    hello = wire.Hello(protocol=3, island=0, generation=1, fingerprint="f", n_fragments=1, wire_dtype="float32")
+    _refused(wire.encode(hello, key=KEY), "HELLO declares protocol 3, expected 2", key=KEY)
     welcome = wire.Welcome(protocol=0, syncer_id=1, need_init=False, versions=(), sync_every=1, total_steps=0)
     _refused(wire.encode(welcome, key=KEY), "WELCOME declares protocol 0", key=KEY)
     env = Envelope(protocol=7, header=wire.Pull(0, 1, 0), chunk_bytes=16, tensors=())
-    _refused(_forge(ENVELOPE_ENCODER.encode(env)), "protocol version 7, expected 1", key=KEY)
+    _refused(_forge(ENVELOPE_ENCODER.encode(env)), "protocol version 7, expected 2", key=KEY)
     # A future envelope of another shape still gets a version reason, not a field error.
-    future = msgspec.msgpack.encode({"protocol": 2, "frames": [1, 2, 3]})
-    _refused(_forge(future), "protocol version 2, expected 1", key=KEY)
+    future = msgspec.msgpack.encode({"protocol": 3, "frames": [1, 2, 3]})
+    _refused(_forge(future), "protocol version 3, expected 2", key=KEY)
 
 
 def _raw_envelope(header: dict, tensors: list | None = None, **extra) -> bytes:
@@ -311,7 +315,7 @@ def test_wrong_field_types_unknown_kind_and_unknown_fields() -> None:
     _refused(_forge(_raw_envelope({**good, "extra": 1})), "unknown field `extra`", key=KEY)
     _refused(_forge(_raw_envelope(good, sneaky=1)), "unknown field `sneaky`", key=KEY)
     _refused(_forge(_raw_envelope(good, tensors=[["t", "float32", ["4"], [0]]])), "malformed header", key=KEY)
-    hello = {"kind": "HELLO", "protocol": 1, "island": 0, "generation": 1, "fingerprint": "f",
+    hello = {"kind": "HELLO", "protocol": 2, "island": 0, "generation": 1, "fingerprint": "f",
              "n_fragments": 1, "wire_dtype": "int8"}
     _refused(_forge(_raw_envelope(hello)), "HELLO wire_dtype 'int8'", key=KEY)
 

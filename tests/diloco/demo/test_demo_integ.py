@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(600)]
 
 
-def test_demo_small_run_ends_with_equal_digests_and_lower_loss(tmp_path) -> None:
+def test_demo_small_run_ends_with_equal_digests_and_tells_the_truth(tmp_path: Path) -> None:
     out, summary = tmp_path / "demo", tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "diloco.demo.cli", "--islands", "2", "--layouts", "tp2,pp2", "--steps", "30",
@@ -27,8 +29,45 @@ def test_demo_small_run_ends_with_equal_digests_and_lower_loss(tmp_path) -> None
     assert islands[0]["versions"] == islands[1]["versions"] and min(islands[0]["versions"]) >= 2
     for r in islands:
         assert r["train_loss"] < r["first_loss"]
-    assert s["islands"]["alone"]["train_loss"] < s["islands"]["alone"]["first_loss"]
-    # The summary table and the step-log report were printed; the plot was saved.
+    alone = s["islands"]["alone"]
+    assert alone["train_loss"] < alone["first_loss"]
+    # alone is island 0's model on island 0's data: the same first step, bit for bit.
+    assert alone["layout"] == "tp2" and alone["first_loss"] == islands[0]["first_loss"]
+    # One merged model (equal digests), the same held-out batches: the same loss up to bf16
+    # rounding between a TP2 and a PP2 forward.
+    assert abs(islands[0]["eval_loss"] - islands[1]["eval_loss"]) < 2e-3
+    assert s["islands_vs_alone"] == pytest.approx(s["merged_eval_loss"] / alone["eval_loss"], abs=1e-4)
+    # What the user sees: the start, the table, the verdict, where the summary went.
+    assert "starting 2 islands (tp2, pp2) and alone" in proc.stdout
     assert "final-cut digests equal: True" in proc.stdout
+    assert "verdict: merged 2 islands" in proc.stdout and "than one island alone by" in proc.stdout
+    assert f"summary JSON: {summary}" in proc.stdout
     assert "boundary ms p50" in proc.stdout
     assert (out / "steplog.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(pid))
+    return pids
+
+
+def test_a_failed_demo_leaves_no_process_behind(tmp_path: Path) -> None:
+    """--timeout-s runs out mid-training: the demo fails, and kills every island, rank and the syncer."""
+    out = tmp_path / "demo-killed"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco.demo.cli", "--islands", "2", "--layouts", "tp2,tp1", "--steps", "100000",
+         "--sync-every", "1000", "--fragments", "2", "--hidden", "32", "--layers", "2", "--out", str(out),
+         "--no-baseline", "--timeout-s", "20"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "timeout after 20s" in proc.stderr
+    assert "verdict: none" in proc.stdout
+    assert _processes_mentioning(str(out)) == []

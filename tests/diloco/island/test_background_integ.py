@@ -105,7 +105,10 @@ class Scripted(threading.Thread):
                     self._send(peer, wire.Bcast(fragment=f, version=0, round=0, cut=True),
                                [(n, params[n].detach()) for n in PLAN.names(f)])
             elif isinstance(h, wire.Push):
-                self.pushes.append((self.step, h, msg.tensors))
+                # One part of flat segments (small fragments): give them their shapes back.
+                assert h.n_parts == 1 and h.part == 0, h
+                shapes = {n: t.shape for n, t in _initial().items()}
+                self.pushes.append((self.step, h, [(n, t.reshape(shapes[n])) for n, t in msg.tensors]))
             elif isinstance(h, wire.Heartbeat):
                 self.step = max(self.step, h.step)
             if peer is None:
@@ -116,7 +119,9 @@ class Scripted(threading.Thread):
                     self._send(peer, header, tensors)
 
     def _send(self, peer: bytes, header: wire.Header, tensors: list | None = None) -> None:
-        self.sock.send_multipart([peer, *wire.encode(header, tensors or [])], copy=False)
+        # Fragments are small here: each travels as one part of flat segments (diloco/wire/parts.py).
+        flat = [(n, t.reshape(-1)) for n, t in tensors or []]
+        self.sock.send_multipart([peer, *wire.encode(header, flat)], copy=False)
 
 
 def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_rank: int, record: bool) -> dict:

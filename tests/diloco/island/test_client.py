@@ -42,7 +42,9 @@ class ScriptedSyncer:
 
     def send(self, header: wire.Header, tensors: list | None = None) -> None:
         assert self.peer is not None
-        self.sock.send_multipart([self.peer, *wire.encode(header, tensors or [], key=KEY)], copy=False)
+        # Fragment values travel as parts: here each fits one part of flat segments.
+        flat = [(n, t.reshape(-1)) for n, t in tensors or []]
+        self.sock.send_multipart([self.peer, *wire.encode(header, flat, key=KEY)], copy=False)
 
     def welcome(self, syncer_id: int = 7, n: int = 2) -> wire.Hello:
         hello = self.recv(wire.Hello).header
@@ -62,9 +64,9 @@ def syncer():
     s.close()
 
 
-def _client(addr: str, **kw: object) -> SyncClient:
+def _client(addr: str, shape: tuple[int, ...] = (3,), **kw: object) -> SyncClient:
     cfg = IslandConfig(sync_addr=addr, island_id=1, key=KEY, heartbeat_s=0.2, sync_timeout_s=2.0, **kw)
-    return SyncClient(cfg, fingerprint="ab" * 16, n_fragments=2)
+    return SyncClient(cfg, fingerprint="ab" * 16, layouts=[wire.FragmentLayout.of([("w", shape)])] * 2)
 
 
 def _wait(pred, timeout_s: float = 5.0) -> None:
@@ -75,17 +77,22 @@ def _wait(pred, timeout_s: float = 5.0) -> None:
 
 
 def test_hello_welcome_and_push_roundtrip(syncer: ScriptedSyncer) -> None:
-    client = _client(syncer.addr)
+    client = _client(syncer.addr, shape=(2, 3))
     try:
         hello = syncer.welcome()
-        assert (hello.island, hello.fingerprint, hello.n_fragments) == (1, "ab" * 16, 2)
+        assert (hello.island, hello.fingerprint, hello.n_fragments, hello.fragment_numel) == (1, "ab" * 16, 2, (6, 6))
         assert client.wait_welcome(5).syncer_id == 7
         delta = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
         assert client.push(wire.Pull(fragment=1, round=3, attempt=0), 2, 5, 500, delta)
         msg = syncer.recv(wire.Push)
         assert msg.header == wire.Push(island=1, generation=hello.generation, fragment=1, round=3, attempt=0,
-                                       base_version=2, local_steps=5, tokens=500)
-        assert torch.equal(msg.tensors[0][1], delta[0][1])
+                                       base_version=2, local_steps=5, tokens=500, part=0, n_parts=1)
+        assert torch.equal(msg.tensors[0][1], delta[0][1].reshape(-1))
+        assert client.stats.push_bytes_sent == 24
+        # A zero-weight push travels bare: no parts, no tensors.
+        assert client.push(wire.Pull(fragment=1, round=4, attempt=0), 2, 0, 0, delta)
+        bare = syncer.recv(wire.Push)
+        assert bare.header.n_parts == 0 and bare.tensors == [] and client.stats.push_bytes_sent == 24
     finally:
         client.close()
 
@@ -142,7 +149,7 @@ def test_broadcasts_in_increasing_version_order(syncer: ScriptedSyncer) -> None:
 
 
 def test_redial_under_new_generation_when_syncer_restarts(syncer: ScriptedSyncer) -> None:
-    client = _client(syncer.addr)
+    client = _client(syncer.addr, shape=(2,))
     try:
         first = syncer.welcome(syncer_id=7)
         client.wait_welcome(5)
@@ -211,11 +218,11 @@ def test_push_dropped_when_queue_full() -> None:
     # No syncer at all: nothing drains beyond what zmq buffers, so the bounded queue fills.
     cfg = IslandConfig(sync_addr="tcp://127.0.0.1:9", island_id=0, send_queue=2, heartbeat_s=5.0,
                        sync_timeout_s=60.0)
-    client = SyncClient(cfg, fingerprint="00", n_fragments=1)
+    client = SyncClient(cfg, fingerprint="00", layouts=[wire.FragmentLayout.of([("w", (1 << 16,))])])
     try:
         big = [("w", torch.zeros(1 << 16))]
         results = [client.push(wire.Pull(fragment=0, round=1, attempt=0), 0, 1, 1, big) for _ in range(400)]
         assert not all(results), "a full queue must drop pushes instead of blocking"
-        assert client.stats.pushes_dropped == results.count(False)
+        assert client.stats.pushes_dropped == results.count(None)
     finally:
         client.close(linger_s=0.1)

@@ -1,7 +1,13 @@
-"""Every transition of the syncer state machine, driven directly with hand-built messages."""
+"""Every transition of the syncer state machine, driven directly with hand-built parted messages.
+
+Messages go through the real codec and the data-plane work runs inline (``state_driver``).
+Fragment 0 is three parts (part size 4096 elements), fragment 1 one part, so every push,
+INIT and commit below is parted.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 
@@ -11,35 +17,36 @@ import pytest
 import torch
 
 from diloco.syncer.config import ConfigError, SyncerConfig
-from diloco.syncer.records import Outgoing
 from diloco.syncer.state import SyncerState
-from diloco.syncer.store import CheckpointStore
-from diloco.wire import (
-    Bcast,
-    Error,
-    Final,
-    FinalAck,
-    Heartbeat,
-    Hello,
-    Init,
-    Message,
-    Pull,
-    Push,
-    Shutdown,
-    Welcome,
-)
+from diloco.syncer.store import FORMAT, CheckpointStore
+from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, Welcome
 
-from syncer_harness import reference_step  # noqa: E402
+from state_driver import (  # noqa: E402
+    Driver,
+    bitwise,
+    errors,
+    flat,
+    init_parts,
+    kinds,
+    of,
+    push_parts,
+    reference_commit,
+    streams,
+    unchecked,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 FP = "f" * 16
+E = 4096
 CFG = SyncerConfig(
     islands=3, quorum=2, sync_every=4, quorum_timeout_s=10.0, grace_ms=100.0,
-    dead_after_s=30.0, final_timeout_s=5.0, checkpoint_every=1,
+    dead_after_s=30.0, final_timeout_s=5.0, checkpoint_every=1, part_elems=E,
 )
-# fragment 0: a (3,), b (2, 2); fragment 1: c (4,). With H=4, P=2 round t opens at step 2t.
-SCHEMA = [[("a", (3,)), ("b", (2, 2))], [("c", (4,))]]
+# fragment 0: a (3,), b (2, 4100): 8203 elements, 3 parts; fragment 1: c (4,), 1 part.
+# With H=4, P=2 round t opens when the 2nd fastest island reaches step 2t.
+SCHEMA = [[("a", (3,)), ("b", (2, 4100))], [("c", (4,))]]
+N_PARTS = [3, 1]
 GEN = [100, 200, 300]
 
 
@@ -47,8 +54,8 @@ def peer(i: int) -> bytes:
     return bytes([i + 1]) * 5
 
 
-def hello(i: int, gen: int, fp: str = FP, n: int = 2, dtype: str = "float32") -> Message:
-    return Message(Hello(protocol=1, island=i, generation=gen, fingerprint=fp, n_fragments=n, wire_dtype=dtype), [])
+def hello(i: int, gen: int, fp: str = FP, n: int = 2, dtype: str = "float32") -> Hello:
+    return Hello(protocol=PROTOCOL_VERSION, island=i, generation=gen, fingerprint=fp, n_fragments=n, wire_dtype=dtype)
 
 
 def init_values(f: int) -> list[tuple[str, torch.Tensor]]:
@@ -56,8 +63,8 @@ def init_values(f: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, torch.randn(s, generator=g)) for n, s in SCHEMA[f]]
 
 
-def init(f: int, island: int = 0, gen: int = GEN[0]) -> Message:
-    return Message(Init(island=island, generation=gen, fragment=f, n_fragments=2), init_values(f))
+def inits(f: int, island: int = 0, gen: int = GEN[0], values: list | None = None) -> list:
+    return init_parts(f, 2, init_values(f) if values is None else values, E, island=island, generation=gen)
 
 
 def delta(f: int, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -65,300 +72,404 @@ def delta(f: int, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[s
     return [(n, (torch.randn(s, generator=g) * 0.01).to(dtype)) for n, s in SCHEMA[f]]
 
 
-def push(i: int, rnd: int, f: int, attempt: int = 0, *, gen: int | None = None, base: int = 0,
-         steps: int = 2, tokens: int = 10, tensors: list[tuple[str, torch.Tensor]] | None = None) -> Message:
-    h = Push(island=i, generation=GEN[i] if gen is None else gen, fragment=f, round=rnd, attempt=attempt,
-             base_version=base, local_steps=steps, tokens=tokens)
-    return Message(h, delta(f, i * 100 + rnd) if tensors is None else tensors)
+def pushes(i: int, rnd: int, f: int, attempt: int = 0, *, gen: int | None = None, base: int = 0, steps: int = 2,
+           tokens: int = 10, tensors: list | None = None) -> list:
+    return push_parts(i, GEN[i] if gen is None else gen, f, rnd, delta(f, i * 100 + rnd) if tensors is None else tensors,
+                      E, attempt=attempt, base=base, steps=steps, tokens=tokens)
 
 
-def hb(i: int, step: int, done: bool = False, gen: int | None = None) -> Message:
-    return Message(Heartbeat(island=i, generation=GEN[i] if gen is None else gen, step=step, done=done), [])
+def hb(i: int, step: int, done: bool = False, gen: int | None = None) -> Heartbeat:
+    return Heartbeat(island=i, generation=GEN[i] if gen is None else gen, step=step, done=done)
 
 
-def of(out: list[Outgoing], kind: type) -> list[Outgoing]:
-    return [o for o in out if isinstance(o.header, kind)]
-
-
-def errors(out: list[Outgoing]) -> list[str]:
-    return [o.header.code for o in of(out, Error)]
-
-
-def started(cfg: SyncerConfig = CFG) -> SyncerState:
-    st = SyncerState(cfg, syncer_id=7)
+def started(cfg: SyncerConfig = CFG, dtype: str = "float32") -> Driver:
+    d = Driver(cfg)
     for i in range(cfg.islands):
-        st.handle(peer(i), hello(i, GEN[i]), 0.0)
-    st.handle(peer(0), init(0), 0.0)
-    st.handle(peer(0), init(1), 0.0)
-    return st
+        d.send(peer(i), hello(i, GEN[i], dtype=dtype), now=0.0)
+    d.send_all(peer(0), inits(0) + inits(1), 0.0)
+    assert d.st.initialised
+    return d
 
 
-def values(st: SyncerState, f: int) -> list[np.ndarray]:
-    return [v.numpy().copy() for v in st.fragments[f].values]
+def open_round1(d: Driver, now: float = 1.0) -> list:
+    """Islands 0 and 1 (K = 2) reach step 2: round 1 (fragment 0) opens."""
+    return d.send(peer(0), hb(0, 2), now=now) + d.send(peer(1), hb(1, 2), now=now)
 
 
-reference = reference_step  # the PROTOCOL.md commit formula in numpy (syncer_harness)
+def value(d: Driver, f: int) -> np.ndarray:
+    return d.st.fragments[f].value.numpy().copy()
+
+
+def momentum(d: Driver, f: int) -> np.ndarray:
+    return d.st.fragments[f].momentum.numpy().copy()
+
+
+def check_commit(d: Driver, f: int, v0: np.ndarray, m0: np.ndarray, deltas: dict[int, list], event: dict) -> None:
+    """The committed value and momentum equal the numpy reference folded in the event's order, bitwise."""
+    weights = {int(k): w for k, w in event["weights"].items()}
+    ref, mref = reference_commit(v0, m0, {i: flat(t).numpy() for i, t in deltas.items()}, weights,
+                                 event["fold_order"], E)
+    assert bitwise(value(d, f), ref) and bitwise(momentum(d, f), mref)
 
 
 # ---------------------------------------------------------------- HELLO / INIT / cut
 
 
 def test_hello_binds_and_fixes_fingerprint() -> None:
-    st = SyncerState(CFG, syncer_id=7)
-    out = st.handle(peer(1), hello(1, 5), 0.0)
-    assert [type(o.header) for o in out] == [Welcome]
+    d = Driver(CFG)
+    out = d.send(peer(1), hello(1, 5))
+    assert kinds(out) == ["Welcome"]
     w = out[0].header
-    assert (w.need_init, w.syncer_id, w.versions, w.sync_every) == (False, 7, (0, 0), 4)
-    assert st.fingerprint == FP and st.islands[1].bound and st.islands[1].peer == peer(1)
-    assert st.handle(peer(0), hello(0, 6), 0.0)[0].header.need_init is True
-    assert errors(st.handle(peer(2), hello(2, 1, fp="other"), 0.0)) == ["fingerprint_mismatch"]
-    assert errors(st.handle(peer(2), hello(2, 1, n=3), 0.0)) == ["fragments_mismatch"]
-    assert errors(st.handle(peer(2), hello(3, 1), 0.0)) == ["unknown_island"]
-    assert errors(st.handle(peer(2), hello(2, 1, dtype="float16"), 0.0)) == ["bad_dtype"]
-    assert not st.islands[2].bound and st.refusals == 4
+    assert (w.need_init, w.syncer_id, w.versions, w.sync_every, w.part_elems) == (False, 7, (0, 0), 4, E)
+    assert d.st.fingerprint == FP and d.st.islands[1].bound and d.st.islands[1].peer == peer(1)
+    assert d.send(peer(0), hello(0, 6))[0].header.need_init is True
+    assert errors(d.send(peer(2), hello(2, 1, fp="other"))) == ["fingerprint_mismatch"]
+    assert errors(d.send(peer(2), hello(2, 1, n=3))) == ["fragments_mismatch"]
+    assert errors(d.send(peer(2), hello(3, 1))) == ["unknown_island"]
+    # The codec already refuses these two; the state machine checks them again on its own.
+    assert errors(d.handle(peer(2), unchecked(hello(2, 1, dtype="float16")))) == ["bad_dtype"]
+    assert errors(d.handle(peer(2), unchecked(msgspec.structs.replace(hello(2, 1), protocol=1)))) == ["protocol"]
+    assert not d.st.islands[2].bound and d.st.refusals == 5
 
 
 def test_init_only_from_island0_once_then_cut_to_everyone() -> None:
-    st = SyncerState(CFG, syncer_id=7)
+    d = Driver(CFG)
     for i in range(3):
-        st.handle(peer(i), hello(i, GEN[i]), 0.0)
-    assert errors(st.handle(peer(1), init(0, island=1, gen=GEN[1]), 0.0)) == ["init_not_island0"]
-    out = st.handle(peer(0), init(0), 0.0)
-    assert not of(out, Bcast)  # not every fragment has values yet
-    assert errors(st.handle(peer(0), init(0), 0.0)) == ["duplicate_init"]
-    out = st.handle(peer(0), init(1), 0.0)
-    cuts = of(out, Bcast)
-    assert sorted((o.peer, o.header.fragment) for o in cuts) == sorted((peer(i), f) for i in range(3) for f in range(2))
-    assert all(o.header.cut and o.header.version == 0 for o in cuts)
-    assert torch.equal(cuts[0].tensors[0][1], init_values(cuts[0].header.fragment)[0][1])
+        d.send(peer(i), hello(i, GEN[i]))
+    assert errors(d.send_all(peer(1), inits(0, island=1, gen=GEN[1]))) == ["init_not_island0"] * 3
+    out = d.send_all(peer(0), inits(0))
+    assert not streams(out) and d.st.fragments[0].initialised  # fragment 1 has no value yet: no cut
+    assert errors(d.send_all(peer(0), inits(0)[:1])) == ["duplicate_init"]
+    out = d.send_all(peer(0), inits(1))
+    cuts = streams(out)
+    assert sorted((o.peer, o.fragment) for o in cuts) == sorted((peer(i), f) for i in range(3) for f in range(2))
+    assert all(o.cut and o.version == 0 and o.round == 0 and o.wire_dtype == "float32" for o in cuts)
+    for f in range(2):  # the cut streams the fragment's flat value: the INIT values, zero momentum
+        assert bitwise(d.st.fragments[f].value, flat(init_values(f)))
+        assert not d.st.fragments[f].momentum.any()
     # A late island gets the cut at once; a re-join (new generation) gets it again.
-    st2 = started()
-    out = st2.handle(peer(1), hello(1, 999), 1.0)
-    assert [type(o.header) for o in out] == [Welcome, Bcast, Bcast]
-    assert errors(st2.handle(peer(1), hb(1, 0), 1.0)) == ["old_generation"]
-    assert errors(st2.handle(peer(1), hello(1, GEN[1]), 1.0)) == ["old_generation"]
+    d2 = started()
+    out = d2.send(peer(1), hello(1, 999), now=1.0)
+    assert kinds(out) == ["Welcome", "BCAST", "BCAST"]
+    assert errors(d2.send(peer(1), hb(1, 0), now=1.0)) == ["old_generation"]
+    assert errors(d2.send(peer(1), hello(1, GEN[1]), now=1.0)) == ["old_generation"]
 
 
-def test_init_schema_and_finiteness_checked() -> None:
-    st = SyncerState(CFG, syncer_id=7)
-    st.handle(peer(0), hello(0, GEN[0]), 0.0)
+def test_init_parts_in_order_and_a_restart_from_part_0() -> None:
+    d = Driver(CFG)
+    d.send(peer(0), hello(0, GEN[0]))
+    msgs = inits(0)
+    assert errors(d.send(peer(0), *msgs[1])) == ["bad_part"]  # part 1 before part 0
+    d.send(peer(0), *msgs[0])
+    assert errors(d.send(peer(0), *msgs[2])) == ["bad_part"]  # part 2 skips part 1
+    with_schema = msgspec.structs.replace(msgs[1][0], schema=msgs[0][0].schema)
+    assert errors(d.send(peer(0), with_schema, msgs[1][1])) == ["bad_schema"]
+    # A redialed island 0 streams INIT again from part 0: the partial stream is dropped,
+    # including copies the data plane has not run yet.
+    d.send(peer(0), *msgs[1], run=False)
+    other = [(n, t + 1) for n, t in init_values(0)]
+    d.send_all(peer(0), inits(0, values=other))
+    assert d.st.fragments[0].initialised and bitwise(d.st.fragments[0].value, flat(other))
+
+
+def test_init_schema_and_finiteness_checked(caplog) -> None:
+    d = Driver(CFG)
+    d.send(peer(0), hello(0, GEN[0]))
     bad = init_values(0)
-    bad[0] = ("a", torch.tensor([1.0, float("nan"), 0.0]))
-    assert errors(st.handle(peer(0), Message(Init(island=0, generation=GEN[0], fragment=0, n_fragments=2), bad), 0.0)) == ["not_finite"]
+    bad[1] = ("b", bad[1][1].clone())
+    bad[1][1][1, 4099] = float("nan")  # in the last part
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer.state"):
+        out = d.send_all(peer(0), inits(0, values=bad))
+    assert errors(out) == ["bad_init"] and [o.peer for o in of(out, Error)] == [peer(0)]
+    assert "NaN" in caplog.text and not d.st.fragments[0].initialised and d.st.fragments[0].value is None
     bf = [(n, t.bfloat16()) for n, t in init_values(0)]
-    assert errors(st.handle(peer(0), Message(Init(island=0, generation=GEN[0], fragment=0, n_fragments=2), bf), 0.0)) == ["bad_dtype"]
-    assert not st.fragments[0].initialised
+    assert errors(d.send(peer(0), *inits(0, values=bf)[0])) == ["bad_part"]  # INIT is fp32
+    msgs = inits(0)
+    assert errors(d.send(peer(0), msgspec.structs.replace(msgs[0][0], schema=()), msgs[0][1])) == ["bad_schema"]
+    renamed = [("z" if n == "a" else n, t) for n, t in msgs[0][1]]
+    assert errors(d.send(peer(0), msgs[0][0], renamed)) == ["bad_part"]
+    huge = msgspec.structs.replace(msgs[0][0], schema=(("a", (3,)), ("b", (1 << 20, 1 << 20))))
+    assert errors(d.send(peer(0), huge, msgs[0][1])) == ["fragment_too_large"]
+    assert not d.st.fragments[0].initialised
+    d.send_all(peer(0), msgs)  # a good stream after all that
+    assert d.st.fragments[0].initialised and bitwise(d.st.fragments[0].value, flat(init_values(0)))
 
 
 # ---------------------------------------------------------------- rounds
 
 
-def test_rounds_open_by_step_threshold_and_pull_members() -> None:
-    st = started()
-    assert not of(st.handle(peer(0), hb(0, 1), 1.0), Pull)
-    out = st.handle(peer(0), hb(0, 2), 1.0)
+def test_rounds_open_by_the_kth_fastest_island_and_pull_members() -> None:
+    d = started()
+    out = d.send(peer(0), hb(0, 2), now=1.0)
     assert [o.header for o in of(out, Heartbeat)] == [Heartbeat(syncer_id=7)]
+    assert not of(out, Pull)  # only one island (< K = 2) has reached step 2
+    out = d.send(peer(1), hb(1, 2), now=1.0)
     pulls = of(out, Pull)
     assert sorted(o.peer for o in pulls) == [peer(0), peer(1), peer(2)]
     assert all(o.header == Pull(fragment=0, round=1, attempt=0) for o in pulls)
-    # A jump to step 6 opens round 2 (fragment 1) but not round 3 (fragment 0 still open).
-    out = st.handle(peer(1), hb(1, 6), 1.0)
+    # The fastest island alone does not drive the clock: the 2nd fastest does.
+    assert not of(d.send(peer(2), hb(2, 100), now=1.0), Pull)
+    # The 2nd fastest at step 6 opens round 2 (fragment 1) but not round 3 (fragment 0 still open).
+    out = d.send(peer(0), hb(0, 6), now=1.0)
     assert {o.header for o in of(out, Pull)} == {Pull(fragment=1, round=2, attempt=0)}
-    assert sorted(st.rounds) == [1, 2] and st.next_open == 3
+    assert sorted(d.st.rounds) == [1, 2] and d.st.next_open == 3
 
 
 def test_push_validation_refuses_without_state_change() -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
-    before = values(st, 0)
+    d = started()
+    open_round1(d)
+    d.send(peer(2), hello(2, 301), now=1.0)  # island 2 reconnects: generation 300 retired
+    before = value(d, 0)
+    p0, s0 = pushes(1, 1, 0)[0]
     cases = {
-        "unknown_round": push(1, 5, 0),
-        "wrong_fragment": push(1, 1, 1),
-        "stale_attempt": push(1, 1, 0, attempt=1),
-        "bad_base_version": push(1, 1, 0, base=1),
-        "old_generation": None,
-        "bad_schema": push(1, 1, 0, tensors=[("a", torch.zeros(3)), ("b", torch.zeros(4))]),
-        "bad_dtype": push(1, 1, 0, tensors=[(n, t.bfloat16()) for n, t in delta(0, 1)]),
-        "not_finite": push(1, 1, 0, tensors=[("a", torch.tensor([0.0, float("inf"), 0.0])), ("b", torch.zeros(2, 2))]),
-        "bad_counts": push(1, 1, 0, tokens=-1),
-        "unknown_island": Message(msgspec.structs.replace(push(1, 1, 0).header, island=7), delta(0, 1)),
+        "unknown_round": pushes(1, 5, 0)[0],
+        "wrong_fragment": pushes(1, 1, 1)[0],
+        "stale_attempt": pushes(1, 1, 0, attempt=1)[0],
+        "bad_base_version": pushes(1, 1, 0, base=1)[0],
+        "old_generation": pushes(2, 1, 0)[0],
+        "bad_counts": pushes(1, 1, 0, tokens=-1)[0],
+        "unknown_island": (msgspec.structs.replace(p0, island=7), s0),
     }
-    names = push(1, 1, 0, tensors=[("b", torch.zeros(2, 2)), ("a", torch.zeros(3))])
-    st.handle(peer(2), hello(2, 301), 1.0)  # island 2 reconnects: generation 300 retired
-    cases["old_generation"] = push(2, 1, 0)
     for code, msg in cases.items():
-        assert errors(st.handle(peer(1), msg, 1.0)) == [code], code
-    assert errors(st.handle(peer(1), names, 1.0)) == ["bad_schema"]
-    r = st.rounds[1]
-    assert r.pushes == {} and r.attempt == 0 and not r.closed
-    assert all(np.array_equal(a, b) for a, b in zip(before, values(st, 0)))
-    assert st.handle(peer(1), push(1, 1, 0), 1.0) == []
-    assert errors(st.handle(peer(1), push(1, 1, 0), 1.0)) == ["duplicate_push"]
-    assert list(st.rounds[1].pushes) == [1]
+        assert errors(d.send(peer(1), *msg, now=1.0)) == [code], code
+    # tokens weighting needs tokens > 0 once an island made local steps (no fallback to steps).
+    assert errors(d.send(peer(1), *pushes(1, 1, 0, tokens=0)[0], now=1.0)) == ["bad_counts"]
+    bad_parts = [
+        (p0, [("b" if n == "a" else "a", t) for n, t in s0]),  # segment names
+        (p0, [(n, t[:-1]) for n, t in s0]),  # segment lengths
+        (p0, [(n, t.bfloat16()) for n, t in s0]),  # dtype of a float32 island
+        (msgspec.structs.replace(p0, n_parts=2), s0),  # wrong part count
+        pushes(1, 1, 0)[1],  # part 1 of a push that never started
+        (msgspec.structs.replace(p0, local_steps=0, n_parts=0), s0),  # zero weight with tensors
+    ]
+    for msg in bad_parts:
+        assert errors(d.send(peer(1), *msg, now=1.0)) == ["bad_part"]
+    r = d.st.rounds[1]
+    assert r.pushes == {} and r.sum is None and r.attempt == 0 and not r.closed
+    assert bitwise(value(d, 0), before) and d.st.versions() == (0, 0) and d.st.refusals == 14
+    assert d.send_all(peer(1), pushes(1, 1, 0), now=1.0) == []
+    assert errors(d.send(peer(1), *pushes(1, 1, 0)[0], now=1.0)) == ["duplicate_push"]
+    assert list(d.st.rounds[1].pushes) == [1] and d.st.rounds[1].pushes[1].complete
 
 
 def test_all_pushed_commits_now_with_reference_math_and_broadcast() -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
-    v0 = values(st, 0)
-    tok = [5, 0, 7]
-    msgs = [push(i, 1, 0, tokens=tok[i]) for i in range(3)]
+    d = started()
+    open_round1(d)
+    v0, m0 = value(d, 0), momentum(d, 0)
+    tok = [5, 3, 7]
+    deltas = {i: delta(0, i * 100 + 1) for i in range(3)}
     for i in (2, 0):
-        assert not of(st.handle(peer(i), msgs[i], 1.0), Bcast)
-    out = st.handle(peer(1), msgs[1], 1.0)  # third push: closes before the grace window
-    b = of(out, Bcast)
+        assert not streams(d.send_all(peer(i), pushes(i, 1, 0, tokens=tok[i]), now=1.0))
+    out = d.send_all(peer(1), pushes(1, 1, 0, tokens=tok[1]), now=1.0)  # third push: closes before the grace window
+    b = streams(out)
     assert sorted(o.peer for o in b) == [peer(0), peer(1), peer(2)]
-    assert all(o.header == Bcast(fragment=0, version=1, round=1, cut=False) for o in b)
-    assert len({o.cache_key for o in b}) == 1
-    for j in range(2):
-        ref, mref = reference(v0[j], np.zeros_like(v0[j]), [m.tensors[j][1].numpy() for m in msgs], tok)
-        assert np.array_equal(values(st, 0)[j], ref) and np.array_equal(st.fragments[0].momentum[j].numpy(), mref)
-        assert np.array_equal(b[0].tensors[j][1].numpy(), ref)
-    assert st.fragments[0].version == 1 and st.checkpoint_due and 1 not in st.rounds
-    assert [st.islands[i].ledger.tokens for i in range(3)] == tok
-    assert st.events[-1]["weights"] == {"0": 5, "1": 0, "2": 7}
+    assert {(o.fragment, o.version, o.round, o.cut, o.wire_dtype) for o in b} == {(0, 1, 1, False, "float32")}
+    ev = d.st.events[-1]
+    assert ev["fold_order"] == [2, 0, 1] and ev["weights"] == {"0": 5, "1": 3, "2": 7} and ev["changed"]
+    check_commit(d, 0, v0, m0, deltas, ev)
+    assert d.st.fragments[0].version == 1 and d.st.checkpoint_due and 1 not in d.st.rounds
+    assert [d.st.islands[i].ledger.tokens for i in range(3)] == tok
+    assert d.st.merged_summary()["changed_in_training"] == 1
 
 
-def test_weights_equal_and_zero_steps() -> None:
-    st = started(replace(CFG, weighting="equal"))
-    st.handle(peer(0), hb(0, 2), 1.0)
-    v0 = values(st, 0)
-    msgs = [push(0, 1, 0, steps=3, tokens=99), push(1, 1, 0, steps=0), push(2, 1, 0, steps=1, tokens=1)]
+def test_weights_equal_steps_and_zero_steps() -> None:
+    for weighting, want in (("equal", {"0": 1, "1": 0, "2": 1}), ("steps", {"0": 3, "1": 0, "2": 1})):
+        d = started(replace(CFG, weighting=weighting))
+        open_round1(d)
+        v0, m0 = value(d, 0), momentum(d, 0)
+        d.send_all(peer(0), pushes(0, 1, 0, steps=3, tokens=99), now=1.0)
+        zero = pushes(1, 1, 0, steps=0)
+        assert len(zero) == 1 and zero[0][0].n_parts == 0 and zero[0][1] == []  # no tensors
+        d.send_all(peer(1), zero, now=1.0)
+        d.send_all(peer(2), pushes(2, 1, 0, steps=1, tokens=1), now=1.0)
+        ev = d.st.events[-1]
+        assert ev["weights"] == want and ev["fold_order"] == [0, 2], weighting
+        check_commit(d, 0, v0, m0, {0: delta(0, 1), 2: delta(0, 201)}, ev)
+    # Every push without local steps: the round commits and changes nothing.
+    d = started()
+    open_round1(d)
+    v0 = value(d, 0)
+    out = []
     for i in range(3):
-        st.handle(peer(i), msgs[i], 1.0)
-    ref, _ = reference(v0[0], np.zeros_like(v0[0]), [msgs[0].tensors[0][1].numpy(), msgs[2].tensors[0][1].numpy()], [1, 1])
-    assert np.array_equal(values(st, 0)[0], ref)
-    assert st.events[-1]["weights"] == {"0": 1, "1": 0, "2": 1}
-    # tokens weighting with all tokens 0 falls back to equal; all steps 0 commits nothing.
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
-    for i in range(3):
-        st.handle(peer(i), push(i, 1, 0, steps=0, tokens=0), 1.0)
-    assert st.fragments[0].version == 0 and st.next_commit == 2 and values(st, 0)[0].tolist() == v0[0].tolist()
+        out += d.send_all(peer(i), pushes(i, 1, 0, steps=0, tokens=0), now=1.0)
+    assert d.st.fragments[0].version == 0 and d.st.next_commit == 2 and bitwise(value(d, 0), v0)
+    assert not streams(out) and d.st.events[-1]["changed"] is False and d.st.events[-1]["fold_order"] == []
+    assert d.st.merged_summary() == {"scheduled_rounds": 0, "committed_rounds": 1, "changed_in_training": 0,
+                                     "changed_in_flush": 0}
 
 
 def test_bf16_pushes_upcast_bitwise() -> None:
-    st = SyncerState(CFG, syncer_id=7)
+    d = Driver(CFG)
     for i in range(3):
-        st.handle(peer(i), hello(i, GEN[i], dtype="bfloat16"), 0.0)
-    out = st.handle(peer(0), init(0), 0.0) + st.handle(peer(0), init(1), 0.0)
-    assert {o.wire_dtype for o in of(out, Bcast)} == {"bfloat16"}
-    st.handle(peer(0), hb(0, 2), 1.0)
-    v0 = values(st, 0)
-    msgs = [push(i, 1, 0, tokens=3 + i, tensors=delta(0, i, torch.bfloat16)) for i in range(3)]
+        d.send(peer(i), hello(i, GEN[i], dtype="bfloat16"))
+    out = d.send_all(peer(0), inits(0) + inits(1))
+    assert {o.wire_dtype for o in streams(out)} == {"bfloat16"} and len(streams(out)) == 6
+    open_round1(d)
+    v0, m0 = value(d, 0), momentum(d, 0)
+    deltas = {i: delta(0, i, torch.bfloat16) for i in range(3)}
+    # A bf16 island's push must be bf16.
+    assert errors(d.send(peer(0), *pushes(0, 1, 0, tensors=delta(0, 0))[0], now=1.0)) == ["bad_part"]
     for i in range(3):
-        st.handle(peer(i), msgs[i], 1.0)
-    ref, _ = reference(v0[1], np.zeros_like(v0[1]), [m.tensors[1][1].float().numpy() for m in msgs], [3, 4, 5])
-    assert np.array_equal(values(st, 0)[1], ref)
+        d.send_all(peer(i), pushes(i, 1, 0, tokens=3 + i, tensors=deltas[i]), now=1.0)
+    ev = d.st.events[-1]
+    assert ev["weights"] == {"0": 3, "1": 4, "2": 5}
+    check_commit(d, 0, v0, m0, deltas, ev)
 
 
 def test_quorum_grace_and_timeout_retry() -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
-    st.handle(peer(0), push(0, 1, 0), 1.0)
-    assert not of(st.tick(5.0), Pull) and st.rounds[1].attempt == 0  # one push < K, before the timeout
+    d = started()
+    open_round1(d)
+    d.send_all(peer(0), pushes(0, 1, 0), now=1.0)
+    assert not of(d.tick(5.0), Pull) and d.st.rounds[1].attempt == 0  # one push < K, before the timeout
     # Below K at the timeout: pushes dropped, attempt + 1 pulled from every live island.
-    out = st.tick(11.5)
-    assert {o.header for o in of(out, Pull)} == {Pull(fragment=0, round=1, attempt=1)}
-    assert st.rounds[1].pushes == {} and st.rounds[1].attempt == 1
-    assert errors(st.handle(peer(0), push(0, 1, 0), 12.0)) == ["stale_attempt"]
+    out = d.tick(11.5)
+    assert {o.header for o in of(out, Pull)} == {Pull(fragment=0, round=1, attempt=1)} and len(of(out, Pull)) == 3
+    assert d.st.rounds[1].pushes == {} and d.st.rounds[1].attempt == 1 and d.st.rounds[1].sum is None
+    assert errors(d.send(peer(0), *pushes(0, 1, 0)[0], now=12.0)) == ["stale_attempt"]
     # K = 2 pushes: closes only after the grace window (100 ms).
-    st.handle(peer(0), push(0, 1, 0, attempt=1), 12.0)
-    assert not of(st.handle(peer(2), push(2, 1, 0, attempt=1), 12.0), Bcast)
-    assert not of(st.tick(12.05), Bcast)
-    out = st.tick(12.11)
-    assert {o.header.version for o in of(out, Bcast)} == {1}
-    assert st.events[-1]["pushed"] == [0, 2] and st.events[-1]["attempt"] == 1
+    v0, m0 = value(d, 0), momentum(d, 0)
+    d.send_all(peer(0), pushes(0, 1, 0, attempt=1), now=12.0)
+    assert not streams(d.send_all(peer(2), pushes(2, 1, 0, attempt=1), now=12.0))
+    assert not streams(d.tick(12.05))
+    out = d.tick(12.11)
+    assert {o.version for o in streams(out)} == {1}
+    ev = d.st.events[-1]
+    assert ev["pushed"] == [0, 2] and ev["attempt"] == 1 and ev["members"] == [0, 1, 2]
+    check_commit(d, 0, v0, m0, {0: delta(0, 1), 2: delta(0, 201)}, ev)
 
 
 def test_commits_strictly_in_round_order() -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 4), 1.0)  # opens rounds 1 (fragment 0) and 2 (fragment 1)
+    d = started()
+    d.send(peer(0), hb(0, 4), now=1.0)
+    d.send(peer(1), hb(1, 4), now=1.0)  # opens rounds 1 (fragment 0) and 2 (fragment 1)
+    assert sorted(d.st.rounds) == [1, 2]
     for i in range(3):
-        assert not of(st.handle(peer(i), push(i, 2, 1), 1.0), Bcast)
-    assert st.rounds[2].closed and st.fragments[1].version == 0  # waits for round 1
+        assert not streams(d.send_all(peer(i), pushes(i, 2, 1), now=1.0))
+    assert d.st.rounds[2].closed and d.st.fragments[1].version == 0  # waits for round 1
     out = []
     for i in range(3):
-        out += st.handle(peer(i), push(i, 1, 0), 1.0)
-    assert [(o.header.round, o.header.fragment) for o in of(out, Bcast)] == [(1, 0)] * 3 + [(2, 1)] * 3
-    assert [e["round"] for e in st.events] == [1, 2]
-    # Round 3 (fragment 0) opens only now that round 1 is committed.
-    assert st.handle(peer(0), hb(0, 6), 2.0) and 3 in st.rounds
+        out += d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
+    assert [(o.round, o.fragment) for o in streams(out)] == [(1, 0)] * 3 + [(2, 1)] * 3
+    assert [e["round"] for e in d.st.events] == [1, 2]
+    # Round 3 (fragment 0) opens only when the clock reaches step 6.
+    assert 3 not in d.st.rounds
+    d.send(peer(0), hb(0, 6), now=2.0)
+    d.send(peer(2), hb(2, 6), now=2.0)
+    assert 3 in d.st.rounds
 
 
 def test_dead_island_leaves_live_set_and_reconnect_gets_pull_again() -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
+    d = started()
+    open_round1(d)
     # Island 1 reconnects under a new generation while round 1 is open: cut, then the same PULL.
-    out = st.handle(peer(1) + b"x", hello(1, 201), 2.0)
-    assert [type(o.header) for o in out] == [Welcome, Bcast, Bcast, Pull]
+    out = d.send(peer(1) + b"x", hello(1, 201), now=2.0)
+    assert kinds(out) == ["Welcome", "BCAST", "BCAST", "Pull"]
     assert out[-1].header == Pull(fragment=0, round=1, attempt=0) and out[-1].peer == peer(1) + b"x"
-    assert st.handle(peer(1), push(1, 1, 0, gen=201), 2.0) == []
+    assert d.send_all(peer(1), pushes(1, 1, 0, gen=201), now=2.0) == []
     # Past the quorum timeout the attempt is re-pulled from all live islands (island 1's push dropped).
     for i, g in ((0, GEN[0]), (1, 201)):
-        st.handle(peer(i), hb(i, 3, gen=g), 12.0)
-    assert sorted(st.rounds[1].members) == [0, 1, 2] and st.rounds[1].attempt == 1 and not st.rounds[1].pushes
+        d.send(peer(i), hb(i, 3, gen=g), now=12.0)
+    r = d.st.rounds[1]
+    assert sorted(r.members) == [0, 1, 2] and r.attempt == 1 and not r.pushes
     # Island 2 stays silent: declared dead, and the next attempt freezes only the live ones.
-    out = st.tick(35.0)
-    assert [i.island for i in st.live()] == [0, 1]
-    assert sorted(st.rounds[1].members) == [0, 1] and st.rounds[1].attempt == 2
+    out = d.tick(35.0)
+    assert [i.island for i in d.st.live()] == [0, 1]
+    assert sorted(d.st.rounds[1].members) == [0, 1] and d.st.rounds[1].attempt == 2
     assert sorted(o.peer for o in of(out, Pull)) == [peer(0), peer(1)]  # heartbeats re-route
     # A dead island that speaks again is live again and gets a fresh cut.
-    out = st.handle(peer(2), hb(2, 3), 42.0)
-    assert len(of(out, Bcast)) == 2 and st.islands[2].alive
+    out = d.send(peer(2), hb(2, 3), now=42.0)
+    assert len(streams(out)) == 2 and all(o.cut for o in streams(out)) and d.st.islands[2].alive
 
 
 def test_resume_from_checkpoint_round_trip(tmp_path) -> None:
-    st = started()
-    st.handle(peer(0), hb(0, 2), 1.0)
+    d = started()
+    open_round1(d)
     for i in range(3):
-        st.handle(peer(i), push(i, 1, 0), 1.0)
+        d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
+    st = d.st
     store = CheckpointStore(tmp_path)
     path = store.save(st.snapshot())
+    st.release_snapshot()
     assert (tmp_path / "latest").read_text().strip() == path.name
+    assert json.loads((path / "manifest.json").read_text())["format"] == FORMAT == "yeto-syncer-checkpoint/2"
     # A torn newer checkpoint (no manifest) is skipped.
     (tmp_path / "ckpt-00000009").mkdir()
     found = store.load_latest()
     assert found is not None and found[0] == path
-    st2 = SyncerState(CFG, syncer_id=8, snapshot=found[1])
-    assert st2.versions() == (1, 0) and st2.next_open == 2 and st2.fingerprint == FP
-    for a, b in zip(st.fragments[0].values + st.fragments[0].momentum, st2.fragments[0].values + st2.fragments[0].momentum):
-        assert torch.equal(a, b)
+    d2 = Driver(CFG, syncer_id=8, snapshot=found[1])
+    st2 = d2.st
+    assert st2.versions() == (1, 0) and st2.next_open == 2 and st2.fingerprint == FP and st2.initialised
+    for f in range(2):
+        assert bitwise(st.fragments[f].value, st2.fragments[f].value)
+        assert bitwise(st.fragments[f].momentum, st2.fragments[f].momentum)
+        assert st2.fragments[f].schema == st.fragments[f].schema
     assert st2.islands[2].ledger.tokens == 10
-    out = st2.handle(peer(0), hello(0, 1), 0.0)
+    out = d2.send(peer(0), hello(0, 1))
     assert out[0].header.need_init is False and out[0].header.versions == (1, 0)
-    assert errors(st2.handle(peer(0), init(0, gen=1), 0.0)) == ["duplicate_init"]
-    assert errors(st2.handle(peer(1), hello(1, 2, fp="x"), 0.0)) == ["fingerprint_mismatch"]
+    assert errors(d2.send(peer(0), *inits(0, gen=1)[0])) == ["duplicate_init"]
+    assert errors(d2.send(peer(1), hello(1, 2, fp="x"))) == ["fingerprint_mismatch"]
+    # The resumed syncer carries on: round 2 (fragment 1) commits from the restored value.
+    d2.send(peer(1), hello(1, 3))
+    v0, m0 = value(d2, 1), momentum(d2, 1)
+    d2.send(peer(0), hb(0, 4, gen=1), now=1.0)
+    d2.send(peer(1), hb(1, 4, gen=3), now=1.0)
+    assert 2 in st2.rounds and sorted(st2.rounds[2].members) == [0, 1]
+    for i, g in ((0, 1), (1, 3)):
+        d2.send_all(peer(i), pushes(i, 2, 1, gen=g), now=1.0)
+    assert st2.versions() == (1, 1)
+    check_commit(d2, 1, v0, m0, {0: delta(1, 2), 1: delta(1, 102)}, st2.events[-1])
 
 
-def test_finalization_acks_then_shutdown_and_timeout() -> None:
-    st = started(replace(CFG, total_steps=2))
-    st.handle(peer(0), hb(0, 2), 1.0)
+def test_finalization_after_flush_rounds_acks_then_shutdown_and_timeout() -> None:
+    d = started(replace(CFG, total_steps=2))
+    assert d.st.scheduled_rounds == 1
+    open_round1(d)
     for i in range(3):
-        st.handle(peer(i), push(i, 1, 0), 1.0)
-    st.handle(peer(1), hb(1, 2), 2.0)
-    out = st.handle(peer(2), hb(2, 1, done=True), 2.0)
-    finals = of(out, Final)
+        d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
+    assert d.st.versions() == (1, 0)
+    # Islands 0 and 1 are at the last step; island 2 says it is done: every island finished,
+    # so one flush round per fragment opens (rounds 2 and 3), before any FINAL.
+    out = d.send(peer(2), hb(2, 1, done=True), now=2.0)
+    assert not streams(out, "FINAL") and d.st.phase == "running"
+    assert {(o.header.round, o.header.fragment) for o in of(out, Pull)} == {(2, 0), (3, 1)}
+    assert len(of(out, Pull)) == 6 and all(d.st.rounds[r].flush for r in (2, 3))
+    out = []
+    for i in range(3):
+        out += d.send_all(peer(i), pushes(i, 2, 0, base=1, steps=0), now=2.0)
+    # Island 2 merges its last local step of fragment 1 in the flush round.
+    out += d.send_all(peer(0), pushes(0, 3, 1, steps=0), now=2.0)
+    out += d.send_all(peer(1), pushes(1, 3, 1, steps=0), now=2.0)
+    assert not streams(out, "FINAL")
+    out = d.send_all(peer(2), pushes(2, 3, 1, steps=1, tokens=4), now=2.0)
+    finals = streams(out, "FINAL")
     assert len(finals) == 6 and all(o.wire_dtype == "float32" for o in finals)
-    assert {o.header.versions for o in finals} == {(1, 0)} and st.phase == "final"
-    assert errors(st.handle(peer(0), Message(FinalAck(island=0, generation=GEN[0], versions=(0, 0)), []), 2.0)) == ["bad_versions"]
+    assert {o.versions for o in finals} == {(1, 1)} and d.st.phase == "final"
+    assert [e["flush"] for e in d.st.events if "round" in e] == [False, True, True]
+    assert d.st.events[-1] == {"time": 2.0, "summary": {"scheduled_rounds": 1, "committed_rounds": 3,
+                                                         "changed_in_training": 1, "changed_in_flush": 1}}
+    assert errors(d.send(peer(0), FinalAck(island=0, generation=GEN[0], versions=(0, 0)), now=2.0)) == ["bad_versions"]
     for i in range(3):
-        out = st.handle(peer(i), Message(FinalAck(island=i, generation=GEN[i], versions=(1, 0)), []), 2.0)
-    assert len(of(out, Shutdown)) == 3 and st.finished and st.exit_code == 0 and st.checkpoint_due
+        out = d.send(peer(i), FinalAck(island=i, generation=GEN[i], versions=(1, 1)), now=2.0)
+    assert len(of(out, Shutdown)) == 3 and d.st.finished and d.st.exit_code == 0 and d.st.checkpoint_due
     # Timeout: one island never acks -> exit code 1.
-    st = started(replace(CFG, total_steps=1))
+    d = started(replace(CFG, total_steps=1))
+    out = []
     for i in range(3):
-        st.handle(peer(i), hb(i, 1, done=True), 1.0)
-    assert st.phase == "final"
-    st.handle(peer(0), Message(FinalAck(island=0, generation=GEN[0], versions=(0, 0)), []), 1.0)
-    out = st.tick(7.0)
-    assert st.finished and st.exit_code == 1 and len(of(out, Shutdown)) == 3
+        out += d.send(peer(i), hb(i, 1, done=True), now=1.0)
+    assert d.st.phase == "running" and sorted(d.st.rounds) == [1, 2] and d.st.scheduled_rounds == 0
+    for i in range(3):
+        for r, f in ((1, 0), (2, 1)):
+            d.send_all(peer(i), pushes(i, r, f, steps=0), now=1.0)
+    assert d.st.phase == "final"
+    d.send(peer(0), FinalAck(island=0, generation=GEN[0], versions=(0, 0)), now=1.0)
+    out = d.tick(7.0)
+    assert d.st.finished and d.st.exit_code == 1 and len(of(out, Shutdown)) == 3
 
 
 def test_refusal_is_logged_one_line(caplog) -> None:
-    st = started()
+    d = started()
     with caplog.at_level(logging.WARNING, logger="diloco.syncer.state"):
-        st.handle(peer(1), push(1, 9, 0), 1.0)
+        d.send(peer(1), *pushes(1, 9, 0)[0], now=1.0)
     assert len(caplog.records) == 1 and "unknown_round" in caplog.text and "round 9" in caplog.text
 
 
@@ -369,57 +480,77 @@ def test_config_errors_name_the_flag() -> None:
         SyncerConfig(islands=2, outer_momentum=1.0)
     with pytest.raises(ConfigError, match="--weighting"):
         SyncerConfig(islands=2, weighting="loss")
+    with pytest.raises(ConfigError, match="--part-mib"):
+        SyncerConfig(islands=2, part_elems=1000)
+    with pytest.raises(ConfigError, match="--part-mib"):
+        SyncerConfig(islands=2, part_elems=64 << 20)  # 256 MiB parts
+    with pytest.raises(ConfigError, match="--max-fragment-gib"):
+        SyncerConfig(islands=2, max_fragment_bytes=0)
 
 
 def test_snapshot_stays_consistent_while_fragments_commit() -> None:
-    """A background checkpoint shares tensors with the state: commits must not change it."""
-    st = started()
+    """A background checkpoint shares tensors with the state: commits write beside them."""
+    d = started()
+    st = d.st
     snap = st.snapshot()
-    values_at = [t.clone() for t in snap.fragments[0].values]
-    momentum_at = [t.clone() for t in snap.fragments[0].momentum]
-    st.handle(peer(0), hb(0, 2), 1.0)
+    value_at = snap.fragments[0].value.clone()
+    momentum_at = snap.fragments[0].momentum.clone()
+    open_round1(d)
+    v0, m0 = value(d, 0), momentum(d, 0)
     for i in range(3):
-        st.handle(peer(i), push(i, 1, 0), 1.0)
+        d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
     assert st.fragments[0].version == 1
-    # The state moved on (values and momentum), the snapshot did not.
-    assert not torch.equal(st.fragments[0].values[0], values_at[0])
-    assert not torch.equal(st.fragments[0].momentum[0], momentum_at[0])
-    for t, ref in zip(snap.fragments[0].values, values_at):
-        assert torch.equal(t, ref)
-    for t, ref in zip(snap.fragments[0].momentum, momentum_at):
-        assert torch.equal(t, ref)
-    # Only the committed fragment was copied; released pins let commits work in place again.
-    assert snap.fragments[1].momentum[0] is st.fragments[1].momentum[0]
+    check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 1) for i in range(3)}, st.events[-1])
+    # The state moved on (value and momentum written beside the pinned ones), the snapshot did not.
+    assert st.fragments[0].value is not snap.fragments[0].value
+    assert st.fragments[0].momentum is not snap.fragments[0].momentum
+    assert not torch.equal(st.fragments[0].value, value_at) and not torch.equal(st.fragments[0].momentum, momentum_at)
+    assert torch.equal(snap.fragments[0].value, value_at) and torch.equal(snap.fragments[0].momentum, momentum_at)
+    # A fragment that did not commit still shares its tensors with the snapshot.
+    assert snap.fragments[1].momentum is st.fragments[1].momentum and snap.fragments[1].value is st.fragments[1].value
+    # Released pins let commits update momentum in place again (values are always written beside).
     st.release_snapshot()
-    mom = st.fragments[1].momentum[0]
-    st.handle(peer(0), hb(0, 4), 2.0)
+    mom, val = st.fragments[1].momentum, st.fragments[1].value
+    d.send(peer(0), hb(0, 4), now=2.0)
+    d.send(peer(1), hb(1, 4), now=2.0)
     for i in range(3):
-        st.handle(peer(i), push(i, 2, 1), 2.0)
-    assert st.fragments[1].version == 1 and st.fragments[1].momentum[0] is mom
+        d.send_all(peer(i), pushes(i, 2, 1), now=2.0)
+    assert st.fragments[1].version == 1 and st.fragments[1].momentum is mom and st.fragments[1].value is not val
 
 
 def test_finalization_waits_for_islands_that_never_joined() -> None:
     """A fast island must not finish the run before a slow one has even connected."""
-    st = SyncerState(replace(CFG, total_steps=1, join_timeout_s=50.0), syncer_id=7)
-    st.handle(peer(0), hello(0, GEN[0]), 0.0)
-    st.handle(peer(0), init(0), 0.0)
-    st.handle(peer(0), init(1), 0.0)
-    st.handle(peer(1), hello(1, GEN[1]), 0.0)
+    d = Driver(replace(CFG, total_steps=1, join_timeout_s=50.0))
+    d.send(peer(0), hello(0, GEN[0]))
+    d.send_all(peer(0), inits(0) + inits(1))
+    d.send(peer(1), hello(1, GEN[1]))
     for i in range(2):
-        st.handle(peer(i), hb(i, 1, done=True), 1.0)
-    assert st.phase == "running" and not of(st.tick(10.0), Final)  # island 2 has not joined yet
-    out = st.handle(peer(2), hello(2, GEN[2]), 11.0)
-    assert of(out, Bcast)  # it gets its cut and joins the run
-    assert not of(st.tick(12.0), Final)  # ... and now finalization waits for it to be done
-    out = st.handle(peer(2), hb(2, 1, done=True), 13.0)
-    assert st.phase == "final" and len({o.peer for o in of(out, Final)}) == 3
+        d.send(peer(i), hb(i, 1, done=True), now=1.0)
+    for i in range(2):  # the flush rounds (nothing left to merge)
+        for r, f in ((1, 0), (2, 1)):
+            d.send_all(peer(i), pushes(i, r, f, steps=0), now=1.0)
+    assert not d.st.rounds and d.st.flush_left == set()
+    assert d.st.phase == "running" and not streams(d.tick(10.0), "FINAL")  # island 2 has not joined yet
+    out = d.send(peer(2), hello(2, GEN[2]), now=11.0)
+    assert streams(out)  # it gets its cut and joins the run
+    assert not streams(d.tick(12.0), "FINAL")  # ... and now finalization waits for it to be done
+    out = d.send(peer(2), hb(2, 1, done=True), now=13.0)
+    assert d.st.phase == "final" and len({o.peer for o in streams(out, "FINAL")}) == 3
     # An island that never comes: finalize without it once the join timeout has passed.
-    st = SyncerState(replace(CFG, total_steps=1, join_timeout_s=50.0), syncer_id=7)
-    st.handle(peer(0), hello(0, GEN[0]), 0.0)
-    st.handle(peer(0), init(0), 0.0)
-    st.handle(peer(0), init(1), 0.0)
-    st.handle(peer(0), hb(0, 1, done=True), 1.0)
-    st.handle(peer(0), hb(0, 1, done=True), 29.0)  # island 0 stays alive (dead after 30 s of silence)
-    assert not of(st.tick(49.0), Final)
-    out = st.handle(peer(0), hb(0, 1, done=True), 50.5)
-    assert st.phase == "final" and {o.peer for o in of(out, Final)} == {peer(0)}
+    d = Driver(replace(CFG, total_steps=1, join_timeout_s=50.0))
+    d.send(peer(0), hello(0, GEN[0]))
+    d.send_all(peer(0), inits(0) + inits(1))
+    d.send(peer(0), hb(0, 1, done=True), now=1.0)
+    for r, f in ((1, 0), (2, 1)):  # flush rounds of island 0 alone
+        d.send_all(peer(0), pushes(0, r, f, steps=0), now=1.0)
+    d.send(peer(0), hb(0, 1, done=True), now=29.0)  # island 0 stays alive (dead after 30 s of silence)
+    assert not streams(d.tick(49.0), "FINAL")
+    out = d.send(peer(0), hb(0, 1, done=True), now=50.5)
+    assert d.st.phase == "final" and {o.peer for o in streams(out, "FINAL")} == {peer(0)}
+
+
+def test_state_without_fragments_refuses_checkpoint() -> None:
+    st = SyncerState(CFG, syncer_id=7)
+    with pytest.raises(RuntimeError):
+        st.snapshot()
+    assert isinstance(Driver(CFG).send(peer(0), hello(0, 1))[0].header, Welcome)

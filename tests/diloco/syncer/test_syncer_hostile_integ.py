@@ -13,8 +13,8 @@ import pytest
 import torch
 import zmq
 
-from diloco.wire import Bcast, Error, Limits, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome, encode
-from syncer_harness import Island, SyncerProc, reference_step
+from diloco.wire import PROTOCOL_VERSION, Bcast, Error, Limits, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome, encode
+from syncer_harness import Island, SyncerProc, commit_event, reference_fragment
 
 KEY = b"test-key-0123456789"
 SHAPES = [("w", (6, 4)), ("b", (4,))]  # both fragments share the tensor layout
@@ -41,15 +41,16 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
     syncer = SyncerProc(tmp_path, [
         "--islands", "2", "--sync-every", "2", "--total-steps", "2", "--grace-ms", "0",
         "--quorum-timeout-s", "60", "--key-file", str(key_file), "--checkpoint-dir", str(tmp_path / "ck"),
+        "--part-mib", "0.015625", "--event-log", str(tmp_path / "events.jsonl"),
     ])
     ctx = zmq.Context()
-    a = Island(ctx, syncer.endpoint, 0, key=KEY)
-    b = Island(ctx, syncer.endpoint, 1, key=KEY)
-    evil = Island(ctx, syncer.endpoint, 1, key=KEY)
+    a = Island(ctx, syncer.endpoint, 0, key=KEY, schema=[SHAPES] * P)
+    b = Island(ctx, syncer.endpoint, 1, key=KEY, schema=[SHAPES] * P)
+    evil = Island(ctx, syncer.endpoint, 1, key=KEY, schema=[SHAPES] * P)
     a2 = None
     try:
         def hello(isl: Island, **kw) -> Hello:
-            f = dict(protocol=1, island=isl.island, generation=isl.generation, fingerprint="fp", n_fragments=P,
+            f = dict(protocol=PROTOCOL_VERSION, island=isl.island, generation=isl.generation, fingerprint="fp", n_fragments=P,
                      wire_dtype="float32")
             f.update(kw)
             return Hello(**f)
@@ -68,12 +69,14 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         evil.send_raw([b"garbage"])
         evil.send_raw([b"\x00" * 32, b"\xc1\xc1not msgpack"])
         evil.send(hello(evil), key=b"wrong key")
-        evil.send(hello(evil, protocol=2))
+        evil.send(hello(evil, protocol=PROTOCOL_VERSION + 1))
         too_big = Limits().max_header_bytes + 1
         evil.send_raw([b"\x00" * 32, b"\x00" * too_big])  # header over the limit
         evil.send(hello(evil, island=5))
         evil.send(hello(evil, fingerprint="other-layout"))
-        for pattern in (r"1 frames", r"bad MAC", r"protocol 2", rf"header is {too_big} bytes",
+        evil.send(hello(evil, fragment_numel=(2**40, 28)))
+        for pattern in (r"1 frames", r"bad MAC", rf"protocol {PROTOCOL_VERSION + 1}", rf"header is {too_big} bytes",
+                        r"fragment_too_large: .*YETO_DILOCO_FRAGMENTS >=",
                         r"unknown_island: island 5", r"fingerprint_mismatch"):
             wait_log(syncer, pattern)
 
@@ -90,49 +93,63 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
             return Push(**f)
 
         good_b = [(rng.standard_normal(s) * 0.01).astype(np.float32) for _n, s in SHAPES]
-        bad = [
-            ([("w", torch.zeros(4, 6)), ("b", torch.zeros(4))], {}, "bad_schema"),
-            ([(n, t.bfloat16()) for n, t in tensors(good_b)], {}, "bad_dtype"),
-            ([("w", torch.full((6, 4), float("nan"))), ("b", torch.zeros(4))], {}, "not_finite"),
-            ([("w", torch.zeros(6, 4)), ("b", torch.tensor([0.0, float("inf"), 0, 0]))], {}, "not_finite"),
-            (tensors(good_b), {"attempt": 1}, "stale_attempt"),
-            (tensors(good_b), {"base_version": 5}, "bad_base_version"),
+        # Parts are checked against the fragment's schema before any payload byte is read;
+        # each structural refusal leaves the state as it was.
+        one = dict(part=0, n_parts=1)
+        flat_b = [(n, t.reshape(-1)) for n, t in tensors(good_b)]
+        structural = [
+            (push_header(b, **one), [("w", torch.zeros(20)), ("b", torch.zeros(4))], "bad_part"),
+            (push_header(b, **one), [(n, t.bfloat16()) for n, t in flat_b], "bad_part"),
+            (push_header(b, part=1, n_parts=1), flat_b, "bad_part"),  # out of range / not started
+            (push_header(b, part=0, n_parts=3), flat_b, "bad_part"),  # wrong part count
+            (push_header(b, attempt=1, **one), flat_b, "stale_attempt"),
+            (push_header(b, base_version=5, **one), flat_b, "bad_base_version"),
+            (push_header(b, local_steps=0, **one), flat_b, "bad_part"),  # zero weight carries no tensors
+            (push_header(b, tokens=0, **one), flat_b, "bad_counts"),  # token weighting needs tokens
         ]
-        for ts, kw, _code in bad:
-            b.send(push_header(b, **kw), ts)
-        frames = encode(push_header(b), tensors(good_b), key=KEY)
+        for h, ts, _code in structural:
+            b.sock.send_multipart(encode(h, ts, key=KEY), copy=False)
+        frames = encode(push_header(b, **one), flat_b, key=KEY)
         b.send_raw([bytes(x) for x in frames[:-1]] + [bytes(frames[-1])[:-3]])  # truncated last chunk
         wait_log(syncer, r"expected 16")
-        # Once the model is known, a declaration larger than any fragment is refused before allocation.
-        b.send(push_header(b), [("w", torch.zeros(600, 400)), ("b", torch.zeros(4))])
-        wait_log(syncer, r"960000 bytes declared, limit 96")
-        for _ts, _kw, code in bad:
-            wait_log(syncer, code)
-        # Refused pushes are answered with ERROR (the truncated one never decoded: no answer).
-        assert [b.expect(Error).header.code for _ in bad] == [code for _ts, _kw, code in bad]
+        # A declaration larger than one part is refused before anything is allocated.
+        huge = encode(push_header(b, **one), [("w", torch.zeros(1 << 20))], key=KEY)
+        b.send_raw([bytes(huge[0]), bytes(huge[1])])
+        wait_log(syncer, r"dimension above 16384 in shape \(1048576,\)")
+        assert [b.expect(Error).header.code for _ in structural] == [code for _h, _ts, code in structural]
+        wait_log(syncer, r"open=\[r1/f0/a0:0/2\]")  # nothing of it was taken
+
+        # A NaN (or Inf) in a part is caught by the data plane: the part is folded into nothing,
+        # but the attempt is dropped (earlier parts could not be taken out again) and re-pulled.
+        nan = [("w", torch.full((24,), float("nan"))), ("b", torch.zeros(4))]
+        b.sock.send_multipart(encode(push_header(b, **one), nan, key=KEY), copy=False)
+        assert b.expect(Error).header.code == "bad_push"
+        wait_log(syncer, r"holds NaN or Inf")
+        for isl in (a, b):
+            assert isl.expect(Pull).header == Pull(fragment=0, round=1, attempt=1)
 
         # ---- island 0 reconnects; its old generation is refused from then on
-        a2 = Island(ctx, syncer.endpoint, 0, key=KEY)
+        a2 = Island(ctx, syncer.endpoint, 0, key=KEY, schema=[SHAPES] * P)
         a2.send(hello(a2))
         assert a2.expect(Welcome).header.versions == (0, 0)
         assert [a2.expect(Bcast).header.cut for _ in range(P)] == [True] * P
-        assert a2.expect(Pull).header == Pull(fragment=0, round=1, attempt=0)  # same attempt again
-        a.send(push_header(a), tensors(good_b))
+        assert a2.expect(Pull).header == Pull(fragment=0, round=1, attempt=1)  # same attempt again
+        a.send(push_header(a, attempt=1), tensors(good_b))
         wait_log(syncer, r"old_generation")
 
         # ---- the legitimate pushes commit exactly the reference without any bad input
         good_a = [(rng.standard_normal(s) * 0.01).astype(np.float32) for _n, s in SHAPES]
-        a2.send(push_header(a2, tokens=300), tensors(good_a))
-        b.send(push_header(b), tensors(good_b))
-        for j in range(len(SHAPES)):
-            value[0][j], mom[0][j] = reference_step(value[0][j], mom[0][j], [good_a[j], good_b[j]], [300, 100])
+        a2.send(push_header(a2, tokens=300, attempt=1), tensors(good_a))
+        b.send(push_header(b, attempt=1), tensors(good_b))
+        order = commit_event(tmp_path / "events.jsonl", 1)["fold_order"]
+        value[0], mom[0] = reference_fragment(value[0], mom[0], {0: good_a, 1: good_b}, {0: 300, 1: 100}, order, 4096)
         for isl in (a2, b):
             m = isl.expect(Bcast)
             assert (m.header.fragment, m.header.version, m.header.cut) == (0, 1, False)
             for (_n, t), ref in zip(m.tensors, value[0]):
                 assert np.array_equal(t.numpy(), ref)
         # A push after the commit is refused too (the round is gone).
-        b.send(push_header(b), tensors(good_b))
+        b.send(push_header(b, attempt=1), tensors(good_b))
         wait_log(syncer, r"round 1 is already committed")
         assert b.expect(Error).header.code == "unknown_round"
 
@@ -144,10 +161,16 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         d = {isl.island: [(rng.standard_normal(s) * 0.01).astype(np.float32) for _n, s in SHAPES] for isl in (a2, b)}
         for isl in (a2, b):
             isl.send(push_header(isl, fragment=1, round=2, tokens=50), tensors(d[isl.island]))
-        for j in range(len(SHAPES)):
-            value[1][j], mom[1][j] = reference_step(value[1][j], mom[1][j], [d[0][j], d[1][j]], [50, 50])
+        order = commit_event(tmp_path / "events.jsonl", 2)["fold_order"]
+        value[1], mom[1] = reference_fragment(value[1], mom[1], d, {0: 50, 1: 50}, order, 4096)
         for isl in (a2, b):
-            assert isl.expect(Bcast).header.version == 1
+            assert isl.expect(Bcast, strict=False).header.version == 1
+            # Both islands reached --total-steps: one flush round per fragment, nothing left to merge.
+            for _ in range(P):
+                pull = isl.expect(Pull, strict=False).header
+                isl.send(push_header(isl, fragment=pull.fragment, round=pull.round, local_steps=0, tokens=0,
+                                     base_version=1))
+        for isl in (a2, b):
             finals = [isl.expect(Final) for _ in range(P)]
             for m in finals:
                 for (_n, t), ref in zip(m.tensors, value[m.header.fragment]):

@@ -15,11 +15,11 @@ import torch
 import zmq
 
 from diloco.syncer.store import CheckpointStore
-from diloco.wire import Bcast, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome
-from syncer_harness import Island, SyncerProc, reference_step
+from diloco.wire import PROTOCOL_VERSION, Bcast, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome
+from syncer_harness import Island, SyncerProc, commit_event, reference_fragment
 
 P = 4
-SHAPES = [[("w", (24, 16)), ("b", (16,))], [("w", (40,))], [("w", (8, 8)), ("n", (3,))], [("e", (5, 7))]]
+SHAPES = [[("w", (96, 64)), ("b", (3000,))], [("w", (40,))], [("w", (8, 8)), ("n", (3,))], [("e", (5, 7))]]
 
 
 def names(f: int, arrays: list[np.ndarray]) -> list[tuple[str, torch.Tensor]]:
@@ -35,14 +35,14 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
     syncer = SyncerProc(tmp_path, [
         "--islands", "3", "--sync-every", "4", "--total-steps", "20", "--grace-ms", "50",
         "--quorum-timeout-s", "60", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
-        "--event-log", str(events), "--final-timeout-s", "30",
+        "--event-log", str(events), "--final-timeout-s", "30", "--part-mib", "0.015625",
     ])
     ctx = zmq.Context()
     dtypes = ["float32", "float32", "bfloat16"]
-    islands = [Island(ctx, syncer.endpoint, i, wire_dtype=dtypes[i]) for i in range(3)]
+    islands = [Island(ctx, syncer.endpoint, i, wire_dtype=dtypes[i], schema=SHAPES) for i in range(3)]
     try:
         for isl in islands:
-            isl.send(Hello(protocol=1, island=isl.island, generation=isl.generation, fingerprint="fp-integ",
+            isl.send(Hello(protocol=PROTOCOL_VERSION, island=isl.island, generation=isl.generation, fingerprint="fp-integ",
                            n_fragments=P, wire_dtype=isl.wire_dtype))
         welcomes = [isl.expect(Welcome).header for isl in islands]
         assert [w.need_init for w in welcomes] == [True, False, False]
@@ -65,9 +65,9 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
             for isl in islands:
                 isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=step))
             f = (step - 1) % P
-            deltas, ws = [], []
+            deltas, ws = {}, {}
             for isl in islands:
-                pull = isl.expect(Pull).header
+                pull = isl.expect(Pull, strict=False).header
                 assert (pull.fragment, pull.round, pull.attempt) == (f, step, 0)
                 d = [(rng.standard_normal(s) * 0.01).astype(np.float32) for _n, s in SHAPES[f]]
                 tensors = names(f, d)
@@ -78,18 +78,28 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
                 tokens = int(rng.integers(1, 5000))
                 isl.send(Push(island=isl.island, generation=isl.generation, fragment=f, round=step, attempt=0,
                               base_version=versions[f], local_steps=steps, tokens=tokens), tensors)
-                deltas.append(d)
-                ws.append(0 if steps == 0 else tokens)
-            for j in range(len(SHAPES[f])):
-                value[f][j], mom[f][j] = reference_step(value[f][j], mom[f][j], [d[j] for d in deltas], ws)
+                if steps:
+                    deltas[isl.island], ws[isl.island] = d, tokens
+            # Parts fold as they arrive: the event log records the order, the reference replays it.
+            order = commit_event(events, step)["fold_order"]
+            assert sorted(order if not order or not isinstance(order[0], list) else order[0]) == sorted(ws)
+            value[f], mom[f] = reference_fragment(value[f], mom[f], deltas, ws, order, 4096)
             versions[f] += 1
             for isl in islands:
-                b = isl.expect(Bcast)
+                b = isl.expect(Bcast, strict=False)
                 assert (b.header.fragment, b.header.version, b.header.round, b.header.cut) == (f, versions[f], step, False)
                 for (_n, t), ref in zip(b.tensors, value[f]):
                     want = torch.from_numpy(ref).to(torch.__dict__[isl.wire_dtype])
                     assert torch.equal(t, want), f"round {step} island {isl.island}"
 
+        # Every island is at --total-steps: one flush round per fragment merges what is left
+        # (here nothing: zero-weight pushes carry no tensors and change nothing).
+        for rnd in range(21, 25):
+            for isl in islands:
+                pull = isl.expect(Pull, strict=False).header
+                assert (pull.round, pull.fragment) == (rnd, (rnd - 1) % P)
+                isl.send(Push(island=isl.island, generation=isl.generation, fragment=pull.fragment, round=rnd,
+                              attempt=0, base_version=versions[pull.fragment], local_steps=0, tokens=0))
         for isl in islands:
             finals = {}
             for _ in range(P):
@@ -107,14 +117,20 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
         found = CheckpointStore(ckpt).load_latest()
         assert found is not None
         snap = found[1]
-        assert snap.next_round == 21 and [fs.version for fs in snap.fragments] == versions
+        assert snap.next_round == 25 and [fs.version for fs in snap.fragments] == versions
         for f, fs in enumerate(snap.fragments):
-            for j in range(len(SHAPES[f])):
-                assert np.array_equal(fs.values[j].numpy().view(np.uint32), value[f][j].view(np.uint32))
-                assert np.array_equal(fs.momentum[j].numpy().view(np.uint32), mom[f][j].view(np.uint32))
+            flat_v = np.concatenate([a.reshape(-1) for a in value[f]])
+            flat_m = np.concatenate([a.reshape(-1) for a in mom[f]])
+            assert np.array_equal(fs.value.numpy().view(np.uint32), flat_v.view(np.uint32))
+            assert np.array_equal(fs.momentum.numpy().view(np.uint32), flat_m.view(np.uint32))
         lines = [json.loads(x) for x in events.read_text().splitlines()]
-        assert [e["round"] for e in lines] == list(range(1, 21))
+        assert [e["round"] for e in lines if "round" in e] == list(range(1, 25))
+        assert [e["flush"] for e in lines if "round" in e] == [False] * 20 + [True] * 4
+        assert lines[-1]["summary"] == {"scheduled_rounds": 20, "committed_rounds": 24,
+                                        "changed_in_training": 20, "changed_in_flush": 0}
+        assert islands[0].parts_sent > P, "fragment 0 must travel as several parts"
         assert lines[6]["weights"]["1"] == 0 and lines[6]["pushed"] == [0, 1, 2]
+        assert 1 not in lines[6]["fold_order"]  # a zero-weight push carries nothing to fold
         log = syncer.log()
         assert "UNAUTHENTICATED" in log and "status:" in log
         syncer.stop()
@@ -122,9 +138,9 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
         # A new syncer resumed from the checkpoint welcomes islands with the same versions and cut.
         resumed = SyncerProc(tmp_path, ["--islands", "3", "--sync-every", "4", "--checkpoint-dir", str(ckpt), "--resume"])
         try:
-            late = Island(ctx, resumed.endpoint, 1)
+            late = Island(ctx, resumed.endpoint, 1, schema=SHAPES)
             islands.append(late)
-            late.send(Hello(protocol=1, island=1, generation=late.generation, fingerprint="fp-integ",
+            late.send(Hello(protocol=PROTOCOL_VERSION, island=1, generation=late.generation, fingerprint="fp-integ",
                             n_fragments=P, wire_dtype="float32"))
             w = late.expect(Welcome).header
             assert w.need_init is False and w.versions == tuple(versions)

@@ -1,0 +1,284 @@
+"""Benchmark: the syncer at a real fragment size (issue "Real model sizes (1 of 2)").
+
+A real ``yeto-syncer`` process, two islands (real ``SyncClient`` objects, scripted at
+the tensor level) sharing one fragment of ``--gib`` GiB in ``--tensors`` tensors, and a
+third island that only pings (heartbeats) throughout.  Baselines are measured in the
+same run on a bare zmq DEALER/ROUTER pair (an echo process) moving the same bytes.
+
+Figures (last line, one JSON object):
+
+* ``heartbeat_p99_ms_during_commit``: p99 of heartbeat round trips of the pinging island
+  sent while a round was in flight (push start to BCAST received at both islands);
+  target <= 100.
+* ``round_vs_wire``: push start -> BCAST received at both islands, over the bare pair
+  moving the same bytes both ways (2 islands up, 2 down); target <= 1.5.
+* ``init_vs_wire``: INIT start -> cut received at island 0 (INIT up, cut down) over the
+  bare pair moving the fragment up and back; target <= 1.3.
+* ``syncer_rss_over_state``: syncer peak RSS (VmHWM) / (value + momentum + one sum);
+  target <= 1.25.
+* ``rounds_changed``: rounds that changed the model (must equal ``rounds``).
+
+Usage::
+
+    python benchmarks/bench_scale.py [--gib 1.0] [--tensors 30] [--rounds 4] [--data-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from diloco import wire  # noqa: E402
+from diloco.config import IslandConfig  # noqa: E402
+from diloco.island.client import SyncClient  # noqa: E402
+
+log = logging.getLogger("bench_scale")
+REPO = Path(__file__).resolve().parents[1]
+
+_ECHO = r"""
+import sys, zmq
+n_clients, n_frames = int(sys.argv[1]), int(sys.argv[2])
+ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); port = r.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    got = {}
+    while len(got) < n_clients or any(len(v) < n_frames for v in got.values()):
+        msg = r.recv_multipart(copy=False)
+        if msg[1].bytes == b"quit":
+            sys.exit(0)
+        got.setdefault(msg[0].bytes, []).append(msg[1])
+    for ident, frames in got.items():
+        for f in frames:
+            r.send_multipart([ident, f], copy=False)
+"""
+
+
+def bare_wire(n_clients: int, payload: list[torch.Tensor], repeat: int) -> float:
+    """Median seconds for ``n_clients`` DEALERs to send ``payload`` (4 MiB frames) to a ROUTER
+    process and get it back: the bare-zmq cost of the same bytes both ways."""
+    frames = []
+    for t in payload:
+        b = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        frames.extend(b[o : o + (4 << 20)] for o in range(0, b.nbytes, 4 << 20))
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO, str(n_clients), str(len(frames))], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(n_clients):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.SNDHWM, 8)
+        s.setsockopt(zmq.RCVHWM, 8)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(s)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+
+        def run(s: zmq.Socket) -> None:
+            for f in frames:
+                s.send(f, copy=False)
+            for _ in frames:
+                s.recv(copy=False)
+
+        th = [threading.Thread(target=run, args=(s,)) for s in socks]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        times.append(time.perf_counter() - t0)
+    socks[0].send(b"quit")
+    proc.wait(timeout=30)
+    for s in socks:
+        s.close(0)
+    ctx.term()
+    return statistics.median(times)
+
+
+class Pinger(threading.Thread):
+    """Island 2: HELLO, then a heartbeat every 10 ms, timing each reply; discards everything else."""
+
+    def __init__(self, addr: str, key: bytes, fingerprint: str, numel: int) -> None:
+        super().__init__(daemon=True)
+        self.addr, self.key, self.fp, self.numel = addr, key, fingerprint, numel
+        self.samples: list[tuple[float, float]] = []  # (send time, rtt)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVHWM, 8)
+        s.connect(self.addr)
+        gen = random.getrandbits(62)
+        s.send_multipart(wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, island=2, generation=gen,
+                                                fingerprint=self.fp, n_fragments=1, wire_dtype="float32",
+                                                fragment_numel=(self.numel,)), key=self.key))
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            s.send_multipart(wire.encode(wire.Heartbeat(island=2, generation=gen, step=0), key=self.key))
+            while not self.stop.is_set():
+                if not s.poll(100):
+                    continue
+                frames = s.recv_multipart(copy=False)
+                try:
+                    h = wire.open_message(frames, key=self.key).header
+                except wire.WireError:
+                    continue
+                if isinstance(h, wire.Heartbeat):
+                    self.samples.append((t0, time.monotonic() - t0))
+                    break
+            time.sleep(0.01)
+        s.close(0)
+        ctx.term()
+
+
+def vm_hwm(pid: int) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024  # type: ignore[union-attr]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--tensors", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--data-threads", type=int, default=0, help="syncer --data-threads (0: its default)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    numel = int(args.gib * 2**30 / 4) // args.tensors * args.tensors
+    per = numel // args.tensors
+    names = [f"decoder.layers.{i}.weight" for i in range(args.tensors)]
+    g = torch.Generator().manual_seed(0)
+    values = [(n, torch.randn(per, generator=g)) for n in names]
+    delta = [(n, torch.randn(per, generator=g) * 1e-3) for n in names]
+    nbytes = numel * 4
+    print(f"fragment: {nbytes / 2**30:.2f} GiB in {args.tensors} tensors")
+
+    wire_init = bare_wire(1, [t for _, t in values], repeat=2)
+    wire_round = bare_wire(2, [t for _, t in delta], repeat=2)
+    print(f"bare zmq: one island up+down {wire_init:.3f}s, two islands up+down {wire_round:.3f}s")
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    key = b"bench-scale-key"
+    env = dict(os.environ, PYTHONPATH=str(REPO), YETO_SYNC_KEY=key.decode())
+    cmd = [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:0", "--islands", "3", "--quorum", "2",
+           "--grace-ms", "0", "--sync-every", "1", "--total-steps", str(args.rounds), "--checkpoint-every", "0",
+           "--dead-after-s", "600", "--final-timeout-s", "120", "--join-timeout-s", "0", "--status-every-s", "2",
+           "--event-log", str(tmp / "events.jsonl")]
+    if args.data_threads:
+        cmd += ["--data-threads", str(args.data_threads)]
+    log_f = open(tmp / "syncer.log", "w")
+    syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"bound (tcp://\S+)", (tmp / "syncer.log").read_text())):
+            assert syncer.poll() is None and time.monotonic() < deadline, (tmp / "syncer.log").read_text()
+            time.sleep(0.05)
+        addr = m.group(1)
+        fp = "bench-scale"
+        layout = wire.FragmentLayout.of([(n, (per,)) for n in names])
+        clients = [SyncClient(IslandConfig(sync_addr=addr, island_id=i, key=key, sync_timeout_s=120.0,
+                                           send_queue=4), fp, [layout]) for i in range(2)]
+        for c in clients:
+            c.wait_welcome(60)
+        pinger = Pinger(addr, key, fp, numel)
+        t_init = time.monotonic()
+        done = clients[0].send_init(0, values)
+        got_cut = [False, False]
+        while not all(got_cut):
+            for i, c in enumerate(clients):
+                if not got_cut[i] and c.wait_bcast(0.01):
+                    c.take_bcasts()
+                    got_cut[i] = True
+                    if i == 0:
+                        init_s = time.monotonic() - t_init
+        assert done.wait(60)
+        print(f"INIT + cut at island 0: {init_s:.3f}s")
+        pinger.start()
+        time.sleep(0.5)
+        round_s, windows = [], []
+        for t in range(1, args.rounds + 1):
+            for c in clients:
+                c.report_step(t)
+            pulls: list[wire.Pull | None] = [None, None]
+            while not all(pulls):
+                for i, c in enumerate(clients):
+                    if pulls[i] is None:
+                        ready = c.take_ready_pulls()
+                        if ready:
+                            pulls[i] = ready[0]
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            for c, p in zip(clients, pulls):
+                assert p is not None
+                c.push(p, t - 1, 1, 1000, delta)
+            got = [False, False]
+            while not all(got):
+                for i, c in enumerate(clients):
+                    if not got[i] and c.wait_bcast(0.005):
+                        b = c.take_bcasts()
+                        got[i] = bool(b) and b[0].version == t
+            t1 = time.monotonic()
+            round_s.append(t1 - t0)
+            windows.append((t0, t1))
+            print(f"round {t}: push start -> BCAST at both islands {t1 - t0:.3f}s")
+        rss = vm_hwm(syncer.pid)
+        pinger.stop.set()
+        pinger.join(5)
+        # The figures are in; the pinger never pushes or acknowledges, so stop the syncer here
+        # (SIGTERM: it exits 130) instead of finalizing.
+        syncer.terminate()
+        code = syncer.wait(120)
+        for c in clients:
+            c.close(1.0)
+    finally:
+        if syncer.poll() is None:
+            syncer.kill()
+        log_f.close()
+    during = [rtt for (ts, rtt) in pinger.samples if any(a <= ts <= b for a, b in windows)]
+    during.sort()
+    p99 = during[min(len(during) - 1, int(0.99 * len(during)))] * 1e3 if during else float("nan")
+    events = [json.loads(x) for x in (tmp / "events.jsonl").read_text().splitlines()]
+    changed = sum(1 for e in events if e.get("changed") and not e.get("flush"))
+    state = 3 * nbytes
+    out = {
+        "heartbeat_p99_ms_during_commit": round(p99, 1),
+        "heartbeats_during_commit": len(during),
+        "round_vs_wire": round(statistics.median(round_s) / wire_round, 3),
+        "round_s": round(statistics.median(round_s), 3),
+        "wire_round_s": round(wire_round, 3),
+        "init_vs_wire": round(init_s / wire_init, 3),
+        "init_s": round(init_s, 3),
+        "wire_init_s": round(wire_init, 3),
+        "syncer_rss_over_state": round(rss / state, 3),
+        "syncer_peak_rss_gib": round(rss / 2**30, 3),
+        "rounds": args.rounds,
+        "rounds_changed": changed,
+        "syncer_exit": code,
+        "fragment_gib": round(nbytes / 2**30, 3),
+        "cpus": os.cpu_count(),
+    }
+    print(f"syncer log: {tmp / 'syncer.log'}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

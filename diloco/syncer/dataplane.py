@@ -1,0 +1,337 @@
+"""The syncer's data plane: every piece of work that grows with bytes, on worker threads.
+
+The control loop (``loop.py``) must answer a heartbeat within milliseconds while a
+round of several GB commits, so it never touches payload bytes.  It opens each
+message (MAC and header only), lets the state machine decide, and hands the
+payload work to this pool as :class:`Work` items:
+
+* :class:`FoldPart`: verify a PUSH part's chunk digests, check it is finite, and fold
+  ``weight * delta`` into the round's running fp32 sum (:class:`RoundSum`);
+* :class:`InitPart`: verify an INIT part and copy it into the fragment's value;
+* :class:`CommitPart`: the outer Nesterov step on one part, written out of place
+  into the sum buffer (which becomes the next published value), then the
+  broadcast payloads of that part are encoded (digests; bf16 conversion);
+* :class:`EncodePart`: encode one part of a value that has no payload yet (a cut
+  after a resume, a bf16 island joining late).
+
+Ordering: work on part ``k`` always runs on worker ``k mod threads``, whose queue is
+FIFO.  So the folds of one part run in the order the loop dispatched them (the
+fold order the event log records, which the numpy reference replays), and a part's
+commit runs after every fold of it.  Disjoint parts run in parallel without locks.
+
+Threads: torch runs single-threaded here (``torch.set_num_threads(1)``): the pool
+*is* the parallelism, set by ``--data-threads``.  torch's own intra-op threads would
+otherwise turn each of thousands of element-wise ops into a parallel region that
+fights the islands for cores.  Kernels are large (one op per chunk of a part, or
+per cache block of the commit), and torch releases the GIL inside them.
+
+Results go back to the loop through a queue plus a wake-up pipe the loop polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from diloco.outer import OuterHyper
+from diloco.wire import Opened, Payload, WireError, encode_payload
+from diloco.wire.parts import FragmentLayout
+
+log = logging.getLogger(__name__)
+
+COMMIT_BLOCK = 1 << 18
+"""Elements per cache block of the commit (1 MiB per fp32 buffer; ~4 buffers stay in L2)."""
+
+
+@dataclass
+class RoundSum:
+    """The running weighted fp32 sum of one attempt of one round.
+
+    ``started[k]`` says whether part ``k`` has a first contribution yet (the first fold
+    writes ``w * d``, later ones add): touched only by the worker that owns part ``k``.
+    ``void`` is set by the loop when the attempt is dropped: queued folds then skip.
+    ``fold_order[k]`` is the island order of part ``k``'s folds, recorded at dispatch.
+    """
+
+    round: int
+    attempt: int
+    fragment: int
+    flat: torch.Tensor
+    n_parts: int
+    started: list[bool] = field(default_factory=list)
+    fold_order: list[list[int]] = field(default_factory=list)
+    void: bool = False
+
+    def __post_init__(self) -> None:
+        self.started = [False] * self.n_parts
+        self.fold_order = [[] for _ in range(self.n_parts)]
+
+
+@dataclass
+class FoldPart:
+    sum: RoundSum
+    part: int
+    lo: int
+    opened: Opened
+    weight: int
+    island: int
+
+
+@dataclass
+class InitPart:
+    fragment: int
+    part: int
+    lo: int
+    opened: Opened
+    value: torch.Tensor
+    momentum: torch.Tensor
+
+
+@dataclass
+class CommitPart:
+    round: int
+    fragment: int
+    part: int
+    lo: int
+    hi: int
+    value: torch.Tensor
+    momentum: torch.Tensor
+    new_momentum: torch.Tensor | None
+    sum: RoundSum
+    total_weight: int
+    hyper: OuterHyper
+    layout: FragmentLayout
+    part_elems: int
+    encode_dtypes: tuple[str, ...]
+    version: int
+
+
+@dataclass
+class EncodePart:
+    fragment: int
+    version: int
+    dtype: str
+    part: int
+    value: torch.Tensor
+    layout: FragmentLayout
+    part_elems: int
+
+
+Work = FoldPart | InitPart | CommitPart | EncodePart
+
+
+@dataclass
+class Result:
+    """What a work item came to; ``error`` is a one-line refusal reason (None: fine)."""
+
+    work: Work
+    error: str | None = None
+    payloads: dict[str, Payload] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class _Scratch:
+    """One fp32 buffer per worker, grown to the largest chunk seen, then reused."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def get(self, n: int) -> torch.Tensor:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.float32)
+        return self.buf[:n]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All elements finite, in one reduction pass and no large temporary (NaN/Inf propagate
+    into an fp64 sum, which cannot overflow for fp32 inputs of this size)."""
+    return math.isfinite(float(torch.sum(t, dtype=torch.float64)))
+
+
+def fold_part(w: FoldPart, scratch: _Scratch) -> None:
+    """Fold one verified part: ``s = w * d`` for the first contribution, ``s = s + w * d`` after."""
+    if w.sum.void:
+        return
+    w.opened.verify(parallel=False)
+    weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
+    views = w.opened.chunk_views()
+    starts = _segment_starts(w.opened, w.lo)
+    first = not w.sum.started[w.part]
+    # Check everything first: a refused part must not have touched the sum.
+    for i, _off, view in views:
+        if not _finite(view):
+            raise WireError(f"segment {w.opened.metas[i].name[:80]!r} holds NaN or Inf")
+    for i, off, view in views:
+        pos = starts[i] + off
+        dst = w.sum.flat[pos : pos + view.numel()]
+        target = dst if first else scratch.get(view.numel())
+        if view.dtype == torch.float32:
+            torch.mul(view, weight, out=target)
+        else:
+            target.copy_(view)  # upcast first: a bf16 multiply would round to bf16
+            target.mul_(weight)
+        if not first:
+            dst.add_(target)
+    w.sum.started[w.part] = True
+
+
+def _segment_starts(opened: Opened, lo: int) -> list[int]:
+    """Stream offset of each segment of a part (segments tile the part in order)."""
+    starts, pos = [], lo
+    for meta in opened.metas:
+        starts.append(pos)
+        pos += math.prod(meta.shape)
+    return starts
+
+
+def init_part(w: InitPart) -> None:
+    starts = _segment_starts(w.opened, w.lo)
+    dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
+    w.opened.copy_into(dests, parallel=False)
+    hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
+    if not _finite(w.value[w.lo : hi]):
+        raise WireError(f"INIT part {w.part} holds NaN or Inf")
+    w.momentum[w.lo : hi].zero_()
+
+
+def commit_part(w: CommitPart, scratch: _Scratch) -> dict[str, Payload]:
+    """The outer step on elements ``[lo, hi)``, out of place into the sum (see ``diloco.outer``)::
+
+        d = s / W;  g = -d;  m = mu * m + g;  value' = value - lr * (g + mu * m)
+
+    one fp32 operation at a time over cache blocks, so a numpy reference matches bit for bit.
+    """
+    mu, lr, total = float(w.hyper.momentum), float(w.hyper.lr), float(w.total_weight)
+    for a in range(w.lo, w.hi, COMMIT_BLOCK):
+        b = min(w.hi, a + COMMIT_BLOCK)
+        acc = w.sum.flat[a:b]
+        tmp = scratch.get(b - a)
+        acc.div_(total)  # d
+        acc.neg_()  # g
+        if w.new_momentum is None:
+            m = w.momentum[a:b]
+            m.mul_(mu)
+        else:  # a checkpoint still reads the old momentum: write the new one beside it
+            m = w.new_momentum[a:b]
+            torch.mul(w.momentum[a:b], mu, out=m)
+        m.add_(acc)  # m = mu * m + g
+        torch.mul(m, mu, out=tmp)
+        tmp.add_(acc)  # g + mu * m
+        tmp.mul_(lr)
+        torch.sub(w.value[a:b], tmp, out=acc)  # the new value, where the sum was
+    k = w.part
+    return {
+        dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype) for dtype in w.encode_dtypes
+    }
+
+
+def encode_part_payload(value: torch.Tensor, layout: FragmentLayout, k: int, part_elems: int, dtype: str) -> Payload:
+    """Payload of part ``k`` of a flat value: zero-copy views for fp32, one conversion for bf16."""
+    views = layout.flat_views(value)
+    return encode_payload(layout.slice_part(views, k, part_elems), wire_dtype=dtype, parallel=False)
+
+
+class DataPlane:
+    """A pool of worker threads, one FIFO queue each, keyed by part index.
+
+    Args:
+        threads: worker count (``--data-threads``).
+        on_result: called on the worker thread with every :class:`Result` (the loop's
+            queue put); must be cheap and thread-safe.
+    """
+
+    def __init__(self, threads: int, on_result: Callable[[Result], None]) -> None:
+        if threads < 1:
+            raise ValueError(f"data plane threads must be >= 1, got {threads}")
+        torch.set_num_threads(1)
+        self.threads = threads
+        self._on_result = on_result
+        self._queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
+        self._pending = 0
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._workers = [
+            threading.Thread(target=self._run, args=(q,), name=f"yeto-data-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for t in self._workers:
+            t.start()
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Received payload bytes queued but not yet processed (the loop throttles on it)."""
+        return self._pending_bytes
+
+    def submit(self, work: Work) -> None:
+        nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
+        with self._lock:
+            self._pending += 1
+            self._pending_bytes += nbytes
+        self._queues[work.part % self.threads].put(work)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._workers:
+            t.join(timeout=10)
+
+    def _run(self, q: queue.SimpleQueue[Work | None]) -> None:
+        scratch = _Scratch()
+        while True:
+            work = q.get()
+            if work is None:
+                return
+            result = run_work(work, scratch)
+            nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
+            with self._lock:
+                self._pending -= 1
+                self._pending_bytes -= nbytes
+            self._on_result(result)
+
+
+def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
+    """Run one work item here and now (workers call this; tests call it inline).
+
+    Never raises: a refused payload (bad digest, NaN) is ``Result.error``; a bug is
+    logged and reported the same way, so a worker thread never dies.
+    """
+    scratch = scratch or _Scratch()
+    t0 = time.perf_counter()
+    result = Result(work)
+    try:
+        if isinstance(work, FoldPart):
+            fold_part(work, scratch)
+        elif isinstance(work, InitPart):
+            init_part(work)
+        elif isinstance(work, CommitPart):
+            result.payloads = commit_part(work, scratch)
+        else:
+            result.payloads = {work.dtype: encode_part_payload(work.value, work.layout, work.part, work.part_elems,
+                                                               work.dtype)}
+    except WireError as exc:
+        result.error = exc.reason
+    except Exception as exc:  # noqa: BLE001 - a bug must not kill the worker
+        log.exception("data plane: %s failed", type(work).__name__)
+        result.error = f"internal error: {type(exc).__name__}: {exc}"
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def default_threads() -> int:
+    """``--data-threads`` default: up to 4 workers, leaving cores for the islands on a shared host."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+__all__ = [
+    "RoundSum", "FoldPart", "InitPart", "CommitPart", "EncodePart", "Work", "Result", "DataPlane", "run_work",
+    "default_threads", "encode_part_payload", "COMMIT_BLOCK",
+]
+
