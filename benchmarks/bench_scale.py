@@ -149,6 +149,30 @@ class Pinger(threading.Thread):
         ctx.term()
 
 
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every 20 ms, so the report can say when the peak happened."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.samples: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                text = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return
+            m = re.search(r"VmRSS:\s+(\d+) kB", text)
+            if m:
+                self.samples.append((time.monotonic(), int(m.group(1)) * 1024))
+            time.sleep(0.02)
+
+    def peak_between(self, a: float, b: float) -> int:
+        return max((r for t, r in self.samples if a <= t <= b), default=0)
+
+
 def vm_hwm(pid: int) -> int:
     text = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024  # type: ignore[union-attr]
@@ -200,6 +224,8 @@ def main() -> None:
         for c in clients:
             c.wait_welcome(60)
         pinger = Pinger(addr, key, fp, numel)
+        sampler = RssSampler(syncer.pid)
+        sampler.start()
         t_init = time.monotonic()
         done = clients[0].send_init(0, values)
         got_cut = [False, False]
@@ -241,6 +267,10 @@ def main() -> None:
             windows.append((t0, t1))
             print(f"round {t}: push start -> BCAST at both islands {t1 - t0:.3f}s")
         rss = vm_hwm(syncer.pid)
+        sampler.stop.set()
+        t_rounds = windows[0][0] if windows else time.monotonic()
+        rss_init = sampler.peak_between(t_init, t_rounds)
+        rss_rounds = sampler.peak_between(t_rounds, time.monotonic())
         pinger.stop.set()
         pinger.join(5)
         # The figures are in; the pinger never pushes or acknowledges, so stop the syncer here
@@ -270,6 +300,8 @@ def main() -> None:
         "wire_init_s": round(wire_init, 3),
         "syncer_rss_over_state": round(rss / state, 3),
         "syncer_peak_rss_gib": round(rss / 2**30, 3),
+        "syncer_rss_init_gib": round(rss_init / 2**30, 3),
+        "syncer_rss_rounds_gib": round(rss_rounds / 2**30, 3),
         "rounds": args.rounds,
         "rounds_changed": changed,
         "syncer_exit": code,

@@ -162,7 +162,7 @@ class IslandConfig:
         if unknown:
             raise ConfigError(f"IslandConfig has no field(s) {', '.join(unknown)}")
         fields: dict[str, object] = {}
-        for name in names - set(overrides):
+        for name in [f.name for f in dataclasses.fields(cls) if f.name not in overrides]:  # field order
             var = _ENV_OF[name]
             if name == "key":
                 fields[name] = _key_from_env(env)

@@ -23,16 +23,8 @@ A user who set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` keeps th
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-import os
-import platform
+from diloco.hostmem import set_malloc_thresholds
 
-log = logging.getLogger(__name__)
-
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 
@@ -40,25 +32,12 @@ _done = False
 
 
 def tune_malloc() -> bool:
-    """Pin glibc's mmap and trim thresholds (once per process); True when they were set."""
+    """Pin glibc's mmap and trim thresholds for an island (once per process); True when set.
+
+    The mechanism is the syncer's (:func:`diloco.hostmem.set_malloc_thresholds`); only the
+    values differ: the syncer wants transient receive buffers unmapped at once, an island
+    wants its step temporaries kept on the heap."""
     global _done
-    if _done:
-        return True
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = True
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        ok &= mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        ok &= mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    if not ok:
-        log.warning("mallopt refused the island's heap thresholds; steps may pay page faults")
-    _done = ok
-    return ok
+    if not _done:
+        _done = set_malloc_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    return _done

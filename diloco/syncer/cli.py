@@ -17,6 +17,7 @@ import signal
 import sys
 from types import FrameType
 
+from diloco.hostmem import set_malloc_thresholds
 from diloco.keys import read_key_file
 from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.dataplane import default_threads
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             "NO KEY SET (--key-file / %s): messages are UNAUTHENTICATED; anyone who can reach %s can push deltas",
             KEY_ENV, args.bind,
         )
+    # Received parts are malloc'd and freed by libzmq at tens of MiB per second: keep such
+    # blocks mapped-and-unmapped so transient buffers never stay resident (diloco.hostmem).
+    set_malloc_thresholds(mmap_bytes=1 << 20, trim_bytes=64 << 20)
     store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
     snapshot = None
     if args.resume and store is not None:

@@ -295,6 +295,9 @@ class DataPlane:
                 self._pending -= 1
                 self._pending_bytes -= nbytes
             self._on_result(result)
+            # Drop our references now: an idle worker must not keep the last value it read
+            # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
+            del work, result
 
 
 def run_work(work: Work, scratch: _Scratch | None = None) -> Result:

@@ -396,9 +396,16 @@ class SyncerState:
         assert frag.layout is not None
         if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
             frag.initialised = True
+            self._size_pool()
             frag.version = 0
             log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
                      frag.layout.numel * 4 / 2**20)
+
+    def _size_pool(self) -> None:
+        """Keep at most one fragment's buffer idle: a freed value is the next round's sum;
+        more idle memory would only be resident for nothing."""
+        largest = max((f.layout.numel * 4 for f in self.fragments if f.layout is not None), default=0)
+        self.pool.max_idle_bytes = largest
 
     def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
         rec = self._bound_island(h.island, h.generation)
@@ -821,5 +828,6 @@ class SyncerState:
                 ledger.merges, ledger.steps, ledger.tokens = led["merges"], led["steps"], led["tokens"]
         self.fingerprint = snap.fingerprint
         self.fragments = frags
+        self._size_pool()
         self.next_open = self.next_commit = snap.next_round
         log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(self.versions()), snap.next_round)
