@@ -52,6 +52,23 @@ class IslandConfig:
     """``YETO_DILOCO_ALPHA``: blend on apply, ``θ ← α·local + (1−α)·global``; 0 replaces the
     local value by the merged global one (classic DiLoCo). ``0 <= α < 1``."""
 
+    apply_mode: str = "progress"
+    """``YETO_DILOCO_APPLY``: ``progress`` (default) keeps the local steps taken between a push
+    and the apply of that round's commit, ``θ ← θ_now + (global − θ_push)`` (docs/PROTOCOL.md);
+    ``blend`` applies ``θ ← α·local + (1−α)·global`` with ``YETO_DILOCO_ALPHA``."""
+
+    pushes_in_flight: int = 1
+    """``YETO_DILOCO_PUSHES_IN_FLIGHT``: background pushes (gather + hand-off) that may be
+    unfinished per rank; another push waits for the oldest. ``>= 1``."""
+
+    transfer_timeout_s: float = 300.0
+    """``YETO_DILOCO_TRANSFER_TIMEOUT_S``: bound on every background transfer wait and on the
+    data group's collectives; a rank that died shows up as an error within it."""
+
+    tune_malloc: bool = True
+    """``YETO_DILOCO_TUNE_MALLOC``: pin glibc's mmap / trim thresholds at start so training
+    steps do not pay page faults (``diloco/island/hostmem.py``)."""
+
     wire_dtype: str = "float32"
     """``YETO_WIRE_DTYPE``: ``float32`` or ``bfloat16`` for pushes and broadcasts (bf16 halves
     the bytes on slow links; the syncer always accumulates in fp32), or ``int8`` / ``q4``:
@@ -116,6 +133,11 @@ class IslandConfig:
         _check(self.island_id >= 0, "island_id", self.island_id, "must be >= 0")
         _check(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "must satisfy 0 <= alpha < 1")
+        _check(self.apply_mode in ("progress", "blend"), "apply_mode", self.apply_mode, "must be progress or blend")
+        _check(self.alpha == 0.0 or self.apply_mode == "blend", "alpha", self.alpha,
+               "only applies with apply_mode=blend (YETO_DILOCO_APPLY)")
+        _check(self.pushes_in_flight >= 1, "pushes_in_flight", self.pushes_in_flight, "must be >= 1")
+        _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
         _check(self.wire_dtype in WIRE_DTYPE_NAMES, "wire_dtype", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
         _check(self.initial_cut_timeout_s >= 0, "initial_cut_timeout_s", self.initial_cut_timeout_s, "must be >= 0")
@@ -179,6 +201,10 @@ _ENV_OF: dict[str, str] = {
     "key": "YETO_SYNC_KEY",
     "fragments": "YETO_DILOCO_FRAGMENTS",
     "alpha": "YETO_DILOCO_ALPHA",
+    "apply_mode": "YETO_DILOCO_APPLY",
+    "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
+    "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
+    "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
     "wire_dtype": "YETO_WIRE_DTYPE",
     "initial_cut_timeout_s": "YETO_DILOCO_INITIAL_CUT_TIMEOUT",
     "step_log": "YETO_DILOCO_STEP_LOG",
@@ -231,6 +257,7 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
+    "apply_mode": "str", "pushes_in_flight": "int", "transfer_timeout_s": "float", "tune_malloc": "bool",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
     "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
@@ -303,7 +330,8 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 
 
 _PARSERS = {
-    "fragments": _int_of, "alpha": _float_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of,
+    "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,

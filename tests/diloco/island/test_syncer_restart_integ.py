@@ -59,7 +59,10 @@ def test_islands_survive_a_syncer_restart(tmp_path) -> None:
     second = None
     try:
         deadline = time.monotonic() + 240
-        while len(_commits(tmp_path / "events.jsonl")) < 3:
+        # Kill once both islands are in rounds (the round clock does not wait for a late
+        # joiner: island 0 alone may commit several rounds before island 1 says HELLO).
+        while len(_commits(tmp_path / "events.jsonl")) < 3 or \
+                not any(len(c["pushed"]) == 2 for c in _commits(tmp_path / "events.jsonl")):
             assert time.monotonic() < deadline, "no commits before the kill"
             assert all(p.poll() is None for p in islands), "an island ended before the kill"
             time.sleep(0.05)
