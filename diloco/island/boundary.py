@@ -54,13 +54,14 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from diloco import wire
+from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.background import Background
@@ -173,7 +174,7 @@ class Island:
         self._counters = _Counters()
         self._last_end = time.monotonic()
         self._ctrl0 = (0, 0)
-        self._wire_itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
+        self._wire_nbytes = _wire_nbytes_of(config)
 
     @property
     def steps_since_apply(self) -> list[int]:
@@ -471,7 +472,7 @@ class Island:
             base = self.versions[f]
             # What the client will put on the wire: the payload in the wire dtype (a zero-weight
             # push travels bare); counted by the sync rank, which queues it.
-            data_bytes = self.plan_numel[f] * self._wire_itemsize if self.is_sync and steps else 0
+            data_bytes = self._wire_nbytes(self.plan_numel[f]) if self.is_sync and steps else 0
             if self.is_sync:
                 self._pushed_at[(f, rnd)] = self.step
             self._push_seq[f] = self.bg.submit("push", f"push of fragment {f} round {rnd}", functools.partial(
@@ -683,6 +684,15 @@ def _data_group(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGro
     new = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
     assert new is not None
     return new
+
+
+def _wire_nbytes_of(config: IslandConfig) -> Callable[[int], int]:
+    """Payload bytes of a push of ``n`` elements in the island's wire dtype (codes and scales
+    for low-bit pushes: what the client puts on the wire)."""
+    if config.wire_dtype in wire.QUANT_KINDS:
+        return lambda n: quant.wire_nbytes(config.wire_dtype, n, config.quant_block)
+    itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
+    return lambda n: n * itemsize
 
 
 def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:
