@@ -274,6 +274,11 @@ def bench_push_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: int
 
     if device == "cuda":
         dev.set_current_device(0)
+        # The ranks run on gloo: CUDA tensors must go through the bridge's host staging (gloo
+        # handed a raw CUDA tensor crashes the process), as in a job without NCCL across nodes.
+        import gloo_bridge
+
+        gloo_bridge.install(ranks_per_node=1)
     spec = ModelSpec(**spec_kw)
     built = build_island_model(spec, tp=2, pp=1, device=device)
     layout = built.layout()
