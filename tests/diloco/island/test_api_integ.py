@@ -21,7 +21,9 @@ import pytest
 import torch.distributed as dist
 
 from diloco.config import IslandConfig
+from diloco import quant
 from diloco.digest import checkpoint_digests, combined_digest
+from diloco.plan import make_plan
 from diloco.island.boundary import Island, IslandError
 from diloco.layout.torch_module import TorchLayout
 from diloco.steplog import read_steplog
@@ -92,8 +94,9 @@ def test_assignment_mismatch_is_refused_at_hello_by_a_real_syncer(tmp_path: Path
     assert "fingerprint_mismatch" in syncer.log_path.read_text() or "mismatch" in syncer.log_path.read_text()
 
 
-def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> None:
-    steps = 40
+def _run_two_islands(tmp_path: Path, dtypes: tuple[str, str], steps: int) -> list[dict]:
+    """A real syncer and two world-1 island processes on the given wire dtypes; every process
+    must exit 0 and both islands must end equal to the syncer's final checkpoint."""
     syncer = Syncer(tmp_path, "--islands", "2", "--sync-every", "8", "--total-steps", str(steps),
                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--quorum-timeout-s", "60")
     procs = []
@@ -101,7 +104,7 @@ def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> Non
         for i in range(2):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE / "world1_island.py"), "--addr", syncer.addr, "--island-id", str(i),
-                 "--out", str(tmp_path), "--steps", str(steps), "--wire-dtype", ("bfloat16", "float32")[i]],
+                 "--out", str(tmp_path), "--steps", str(steps), "--wire-dtype", dtypes[i]],
                 stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT, env=_env()))
         codes = [p.wait(timeout=240) for p in procs]
         assert syncer.proc.wait(timeout=60) == 0, syncer.log_path.read_text()[-3000:]
@@ -118,6 +121,27 @@ def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> Non
     for r in results:
         assert r["dist_initialized"] is False  # no process group was ever made visible
         assert r["versions"] == versions and r["digest"] == combined_digest(digests)
+    return results
+
+
+def test_q4_and_bf16_islands_end_equal_to_the_final_cut(tmp_path: Path) -> None:
+    """Issue 15: a q4 island (codes + bf16 scales with error feedback) and a bf16 island."""
+    results = _run_two_islands(tmp_path, ("q4", "bfloat16"), steps=32)
+    log = read_steplog(str(tmp_path / "island0.steplog.jsonl"))
+    pushes = [e for rec in log for e in rec.events if e["type"] == "push" and not e["dropped"]]
+    assert pushes and sum(e["data_bytes"] for e in pushes) == results[0]["stats"]["push_bytes_sent"]
+    # Each weighted push is the q4 payload: half a byte per element plus a bf16 scale per 64.
+    plan = make_plan(TorchLayout(build_model()).specs(), 2)
+    weighted = [e for e in pushes if e["data_bytes"] > 0]
+    assert weighted, "the q4 island never pushed with weight"
+    for e in weighted:
+        numel = sum(s.numel for s in plan.specs_of(e["fragment"]))
+        assert e["data_bytes"] == quant.wire_nbytes("q4", numel, 64) and e["data_bytes"] / (4 * numel) <= 0.14
+
+
+def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> None:
+    steps = 40
+    results = _run_two_islands(tmp_path, ("bfloat16", "float32"), steps)
 
     for i, r in enumerate(results):
         log = read_steplog(str(tmp_path / f"island{i}.steplog.jsonl"))
