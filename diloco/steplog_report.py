@@ -85,6 +85,10 @@ class IslandSummary:
     control_bytes_recv: int
     bytes_sent_per_round: float | None
     bytes_recv_per_round: float | None
+    bytes_per_push: float | None
+    """Payload bytes of a weighted push, on average (what the wire carried)."""
+    push_compression: float | None
+    """fp32 bytes of the pushed deltas / their wire bytes (1 fp32, 2 bf16, ~3.9 int8, ~7.5 q4)."""
     pushes: int
     applies: int
     lag_steps_p50: float | None
@@ -150,6 +154,7 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
     other = math.fsum(max(0.0, r.blocked_s - r.export_s - r.apply_s - r.wait_s) for r in train)
     applies = [e for r in records for e in r.events if e["type"] == "apply"]
     pushes = [e for r in records for e in r.events if e["type"] == "push"]
+    weighted = [e for e in pushes if (_event_int(e, "data_bytes") or 0) > 0 and not e.get("dropped")]
     lag_steps = [v for v in (_event_int(e, "lag_steps") for e in applies) if v is not None]
     vlags = version_lags(records)
     rounds = len(applies)
@@ -191,6 +196,10 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
         control_bytes_recv=sum(r.control_bytes_recv for r in records),
         bytes_sent_per_round=sent / rounds if rounds else None,
         bytes_recv_per_round=recv / rounds if rounds else None,
+        bytes_per_push=(math.fsum(e["data_bytes"] for e in weighted) / len(weighted)) if weighted else None,
+        push_compression=(math.fsum(e.get("fp32_bytes", 0) for e in weighted)
+                          / math.fsum(e["data_bytes"] for e in weighted))
+        if weighted and all(e.get("fp32_bytes") for e in weighted) else None,
         # Counters are cumulative: the largest seen is the total (max, not
         # last, in case a restarted job appended to the same file).
         pushes=max((r.pushes for r in records), default=0),
@@ -259,6 +268,9 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("rounds applied", [str(s.rounds) for s in summaries]),
         ("bytes sent / round", [_bytes(s.bytes_sent_per_round) for s in summaries]),
         ("bytes recv / round", [_bytes(s.bytes_recv_per_round) for s in summaries]),
+        ("bytes / push", [_bytes(s.bytes_per_push) for s in summaries]),
+        ("push compression", ["-" if s.push_compression is None else f"{s.push_compression:.2f}x"
+                              for s in summaries]),
         ("data sent total", [_bytes(s.data_bytes_sent) for s in summaries]),
         ("data recv total", [_bytes(s.data_bytes_recv) for s in summaries]),
         ("control sent total", [_bytes(s.control_bytes_sent) for s in summaries]),

@@ -485,6 +485,7 @@ class Island:
                 self._push_job, f, wire.Pull(fragment=f, round=rnd, attempt=attempt), base, steps, data_bytes))
             events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt, "base_version": base,
                            "local_steps": steps, "data_bytes": data_bytes, "dropped": False,
+                           "fp32_bytes": 4 * self.plan_numel[f] if self.is_sync and steps else 0,
                            "snapshot_bytes": self.data.share_nbytes(f)})
         return time.monotonic() - t0
 

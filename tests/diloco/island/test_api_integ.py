@@ -27,6 +27,7 @@ from diloco.plan import make_plan
 from diloco.island.boundary import Island, IslandError
 from diloco.layout.torch_module import TorchLayout
 from diloco.steplog import read_steplog
+from diloco.steplog_report import summarize
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(300)]
 
@@ -137,6 +138,9 @@ def test_q4_and_bf16_islands_end_equal_to_the_final_cut(tmp_path: Path) -> None:
     for e in weighted:
         numel = sum(s.numel for s in plan.specs_of(e["fragment"]))
         assert e["data_bytes"] == quant.wire_nbytes("q4", numel, 64) and e["data_bytes"] / (4 * numel) <= 0.14
+    # yeto-steplog reports it: fp32 bytes over wire bytes (4 / (0.5 + 2/64) = 7.5 for whole blocks).
+    report = summarize(str(tmp_path / "island0.steplog.jsonl"))
+    assert report.push_compression is not None and 7.0 < report.push_compression <= 7.53
 
 
 def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> None:
