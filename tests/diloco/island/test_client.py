@@ -11,6 +11,7 @@ import zmq
 from diloco import wire
 from diloco.config import IslandConfig
 from diloco.island.client import SyncClient, SyncError
+from diloco.security import ServerAuth, ServerCurve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,15 +19,22 @@ KEY = b"client-test-key"
 
 
 class ScriptedSyncer:
-    """A ROUTER socket the test drives by hand: it records what islands send."""
+    """A ROUTER socket the test drives by hand: it records what islands send.
+
+    It speaks HMAC mode as the real syncer does: Curve keys derived from KEY, a ZAP handler,
+    and a session (nonce, sequence numbers) opened by each WELCOME."""
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.auth = ServerAuth(self.ctx, ServerCurve.from_shared_key(KEY))
+        self.auth.secure(self.sock)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.addr = f"tcp://127.0.0.1:{port}"
         self.peer: bytes | None = None
+        self.nonce = 0
+        self.seq = 0
 
     def recv(self, kind: type, timeout_s: float = 10.0) -> wire.Message:
         """Next message of ``kind`` (others, e.g. heartbeats, are skipped)."""
@@ -44,16 +52,25 @@ class ScriptedSyncer:
         assert self.peer is not None
         # Fragment values travel as parts: here each fits one part of flat segments.
         flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.sock.send_multipart([self.peer, *wire.encode(header, flat, key=KEY)], copy=False)
+        self.sock.send_multipart([self.peer, *self.frames(header, flat)], copy=False)
+
+    def frames(self, header: wire.Header, flat: list | None = None, **stamp: int) -> list:
+        """The frames of one message of the current session (``nonce=``/``seq=`` override the stamp)."""
+        self.seq += 1
+        kw = {"nonce": self.nonce, "seq": self.seq, **stamp}
+        return wire.encode(header, flat or [], key=KEY, **kw)
 
     def welcome(self, syncer_id: int = 7, n: int = 2) -> wire.Hello:
         hello = self.recv(wire.Hello).header
+        self.nonce, self.seq = 1000 + syncer_id, 0
         self.send(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id, need_init=False,
-                               versions=(0,) * n, sync_every=10, total_steps=0))
+                               versions=(0,) * n, sync_every=10, total_steps=0, generation=hello.generation,
+                               nonce=self.nonce))
         return hello
 
     def close(self) -> None:
         self.sock.close()
+        self.auth.stop()
         self.ctx.term()
 
 
