@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -243,3 +245,80 @@ def test_push_dropped_when_queue_full() -> None:
         assert client.stats.pushes_dropped == results.count(None)
     finally:
         client.close(linger_s=0.1)
+
+
+def test_client_refuses_a_hostile_syncer_and_keeps_serving(syncer: ScriptedSyncer) -> None:
+    """Malformed, tampered, replayed and foreign-session messages are refused one log line each;
+    the I/O thread survives, nothing of them is applied, and valid traffic still flows."""
+    client = _client(syncer.addr)
+    try:
+        hello = syncer.welcome()
+        client.wait_welcome(5)
+        good = wire.Bcast(fragment=0, version=1, round=1, cut=False)
+        ones = [("w", torch.ones(3))]
+        valid = syncer.frames(good, ones)
+        flipped = list(valid)
+        chunk = bytearray(bytes(memoryview(flipped[2])))
+        chunk[1] ^= 0x10
+        flipped[2] = bytes(chunk)  # payload bit: header MAC holds, digest does not
+        huge = wire.encode(wire.Bcast(fragment=0, version=1, round=1, cut=False), [], key=KEY,
+                           nonce=syncer.nonce, seq=syncer.seq + 100)
+        env = msgspec.msgpack.decode(bytes(memoryview(huge[1])))
+        env["tensors"] = [["w", "float32", [0, 2**63], []]]  # declares 0 bytes, absurd dims
+        body = msgspec.msgpack.encode(env)
+        huge = [hmac.digest(KEY, body, "sha256"), body]
+        hostile = [
+            [b"garbage"],
+            [b"\x00" * 32, b"\xc1\xc1"],
+            flipped,
+            huge,
+            syncer.frames(wire.Bcast(fragment=0, version=1, round=1, cut=False), [("w", torch.ones(4))]),  # shape
+            syncer.frames(wire.Bcast(fragment=9, version=1, round=1, cut=False), ones),  # fragment outside plan
+            syncer.frames(good, ones, nonce=syncer.nonce + 1),  # another session
+            syncer.frames(good, ones, nonce=0),  # no session
+            syncer.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=7, need_init=False,
+                                       versions=(0, 0), sync_every=10, total_steps=0,
+                                       generation=hello.generation, nonce=5), nonce=5),  # a second WELCOME
+            valid,  # its sequence number is that of ``flipped``, which was taken: a replay now
+        ]
+        for frames in hostile:
+            syncer.sock.send_multipart([syncer.peer, *frames], copy=False)
+        syncer.sock.send_multipart([syncer.peer, *valid], copy=False)  # a replay: stale sequence number
+        _wait(lambda: client.stats.refused >= len(hostile) + 1)
+        time.sleep(0.2)
+        assert client.stats.refused == len(hostile) + 1
+        assert client.take_bcasts() == []  # none of it was applied
+        # The client keeps serving: a valid BCAST is taken, a PULL answered, heartbeats flow.
+        syncer.send(wire.Bcast(fragment=0, version=2, round=2, cut=False), [("w", torch.full((3,), 2.0))])
+        syncer.send(wire.Pull(fragment=1, round=2, attempt=0))
+        _wait(lambda: client.stats.messages_recv >= len(hostile) + 4)  # + WELCOME, the replay, 2 more
+        got = client.take_bcasts()
+        assert [(b.fragment, b.version) for b in got] == [(0, 2)]
+        assert torch.equal(got[0].tensors[0][1], torch.full((3,), 2.0))
+        pulls = client.take_ready_pulls()
+        assert [(p.fragment, p.round) for p in pulls] == [(1, 2)]
+        assert client.push(pulls[0], 0, 1, 10, [("w", torch.zeros(3))])
+        push = syncer.recv(wire.Push)
+        assert push.header.generation == hello.generation
+    finally:
+        client.close()
+
+
+def test_client_messages_carry_the_session(syncer: ScriptedSyncer) -> None:
+    """Every message after HELLO carries WELCOME's nonce and an increasing sequence number."""
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+        client.report_step(3)
+        seen = []
+        deadline = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < deadline:
+            if syncer.sock.poll(100):
+                _peer, *frames = syncer.sock.recv_multipart(copy=False)
+                opened = wire.open_message(frames, key=KEY)
+                seen.append((opened.nonce, opened.seq))
+        assert len(seen) == 3 and {n for n, _ in seen} == {syncer.nonce}
+        assert [q for _, q in seen] == sorted({q for _, q in seen}) and seen[0][1] >= 1
+    finally:
+        client.close()
