@@ -150,13 +150,17 @@ class Fuzzer:
         return self._base()
 
 
-def raw_zmtp_flood(host: str, port: int, frames: int, frame_bytes: int, *, timeout_s: float = 10.0) -> int:
+def raw_zmtp_flood(host: str, port: int, frames: int, frame_bytes: int, *, timeout_s: float = 10.0,
+                   keep: list[socket.socket] | None = None) -> int:
     """Speak ZMTP 3.0 with the NULL mechanism over raw TCP and send ``frames`` frames of
     ``frame_bytes`` bytes, every one flagged MORE (an incomplete multipart message that never
     completes: the slow-loris of issue 14).  Returns the bytes the peer let us write before it
-    closed the connection (a Curve server closes it at the greeting)."""
+    closed the connection (a Curve server closes it at the greeting).  ``keep``: append the
+    socket there instead of closing it (zmq frees an incomplete message when its connection
+    closes, so a memory measurement must be taken while the connection is open)."""
     sent = 0
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
+    s = socket.create_connection((host, port), timeout=timeout_s)
+    try:
         # Greeting: signature, version 3.0, mechanism "NULL", as-server 0, filler.
         greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
         try:
@@ -172,4 +176,9 @@ def raw_zmtp_flood(host: str, port: int, frames: int, frame_bytes: int, *, timeo
                 sent += len(head) + frame_bytes
         except OSError:
             pass
+    finally:
+        if keep is None:
+            s.close()
+        else:
+            keep.append(s)
     return sent

@@ -183,9 +183,9 @@ def test_slow_loris_costs_the_syncer_nothing(tmp_path, mode: str) -> None:
         port = int(s.syncer.endpoint.rsplit(":", 1)[1])
         time.sleep(0.5)
         rss0 = rss(s.syncer)
-        accepted = 0
+        accepted, held = 0, []  # connections stay open while RSS is measured
         for _ in range(4):  # 4 x 64 MiB of MORE frames that never complete, over raw ZMTP
-            accepted += raw_zmtp_flood("127.0.0.1", port, frames=64, frame_bytes=1 << 20)
+            accepted += raw_zmtp_flood("127.0.0.1", port, frames=64, frame_bytes=1 << 20, keep=held)
         # A Curve peer with a key the syncer does not list (in HMAC mode: keys not derived from
         # our key) sends 64 MiB of complete messages: dropped in the handshake.
         stranger = s.island(1, "late", key=b"not-the-key")
@@ -204,6 +204,8 @@ def test_slow_loris_costs_the_syncer_nothing(tmp_path, mode: str) -> None:
         print(f"SLOWLORIS mode={mode} raw_bytes_accepted={accepted} rss_growth_mib={grown / 2**20:.2f}")
         assert grown < RSS_BOUND, f"RSS grew by {grown / 2**20:.1f} MiB"
         assert not stranger.sock.poll(100)
+        for sock in held:
+            sock.close()
         stranger.close()
         assert "ZAP: refused a Curve handshake" in s.syncer.log() or mode == "hmac"
         commit_round_1(s, s.a, s.b)  # listed islands were served all along
