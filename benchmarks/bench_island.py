@@ -23,10 +23,18 @@ World 4 (TP2 x DP2, DistributedOptimizer, bf16) real megatron-core GPTModel on C
     overlap, 2.0 = no overlap).
 (d) ``idle_boundary_p50_ms``: p50 of a step boundary with nothing to do, vs
     ``gloo_barrier_p50_ms`` on the same group.
+(e) ``push_blocked_vs_copy``: training-thread time a push costs (snapshot + hand-off
+    to the background worker; the delta and the gather run in the background) / a
+    plain copy of the same bytes (the rank's share of the fragment) on the masters'
+    device; target <= 1.5. ``apply_blocked_vs_copy``: the same for an apply (the
+    progress-preserving install of a fragment staged in the background, without the
+    model-copy refresh, reported as ``apply_refresh_vs_copy``); target <= 2.0. The
+    slowest rank counts. Host-blocked time: on CUDA our copies are async (not
+    synchronized), the baseline copy is synchronized.
 
 Usage::
 
-    python benchmarks/bench_island.py [--hidden 1024] [--layers 4] [--repeat 5]
+    python benchmarks/bench_island.py [--hidden 1024] [--layers 4] [--repeat 5] [--device cuda]
 
 Human-readable lines first; the last line printed is one JSON object with the
 figures (the lead adds (c) INIT overlap and (d) idle boundary as more
@@ -255,13 +263,80 @@ def bench_init_and_idle(rank: int, world: int, spec_kw: dict[str, Any], idle_ste
     }
 
 
+def bench_push_apply(rank: int, world: int, spec_kw: dict[str, Any], repeat: int, device: str) -> dict[str, float]:
+    """Part (e); runs on every rank, the figures are the slowest rank's."""
+    from datetime import timedelta
+
+    from diloco.island.background import Background
+    from diloco.island.datapath import DataPath
+    from diloco.island.transfer import FragmentTransfer
+    from diloco.plan import make_plan
+    from gloo_bridge import device as dev
+
+    if device == "cuda":
+        dev.set_current_device(0)
+    spec = ModelSpec(**spec_kw)
+    built = build_island_model(spec, tp=2, pp=1, device=device)
+    layout = built.layout()
+    plan = make_plan(layout.specs(), spec.layers)
+    xfer = FragmentTransfer(layout, plan, dist.group.WORLD)
+    data = DataPath(xfer, dist.new_group(backend="gloo", timeout=timedelta(seconds=300)))
+    bg = Background("bench-data", 1, 300.0)
+    f = 0
+    values = xfer.export_fragment(f, delta=False)
+    xfer.apply_fragment(f, values if rank == 0 else None)
+    masters = [p.master for i, p in enumerate(xfer._pieces) if i in data._mine[f]]
+    dsts = [torch.empty_like(m) for m in masters]
+
+    def plain_copy() -> None:
+        for d, m in zip(dsts, masters):
+            d.copy_(m)
+        if masters:
+            dev.synchronize(masters[0].device)
+
+    def host_time(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    pushes, applies, refreshes, copies = [], [], [], []
+    for _ in range(repeat + 1):
+        dist.barrier()
+        copies.append(host_time(plain_copy))
+        dist.barrier()
+        pushes.append(host_time(lambda: (data.snapshot(f), bg.submit("push", "push", lambda: data.gather_delta(f)))))
+        bg.submit("stage", "stage", lambda: data.stage(f, values if rank == 0 else None, True))
+        assert bg.drain(300) and bg.error is None, bg.error
+        dist.barrier()
+        applies.append(host_time(lambda: data.install(f, "progress")))
+        dist.barrier()
+        refreshes.append(host_time(lambda: xfer.refresh([f])))
+    bg.close()
+    med = [statistics.median(x[1:]) for x in (pushes, applies, refreshes, copies)]  # the first run warms up
+    # The island waits for its slowest rank: compare the slowest rank's times.
+    worst = torch.tensor([*med, data.share_nbytes(f)], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    push_s, apply_s, refresh_s, copy_s, share = (float(x) for x in worst)
+    return {
+        "largest_share_mb": share / 1e6,
+        "plain_copy_s": copy_s,
+        "push_blocked_s": push_s,
+        "apply_blocked_s": apply_s,
+        "apply_refresh_s": refresh_s,
+        "push_blocked_vs_copy": push_s / copy_s,
+        "apply_blocked_vs_copy": apply_s / copy_s,
+        "apply_refresh_vs_copy": refresh_s / copy_s,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--idle-steps", type=int, default=200)
-    ap.add_argument("--only", choices=("ab", "cd"), default=None, help="run only parts (a, b) or (c, d)")
+    ap.add_argument("--only", choices=("ab", "cd", "e"), default=None, help="run only parts (a, b), (c, d) or (e)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the masters live, part (e)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     spec = ModelSpec(
@@ -269,14 +344,19 @@ def main() -> None:
         ffn=4 * args.hidden, seq=16,
     )
     figures: dict[str, float] = {}
-    ab = {} if args.only == "cd" else run_ranks(4, bench_export_apply, spec.__dict__, args.repeat, timeout_s=590)[0]
+    ab = {} if args.only in ("cd", "e") else run_ranks(4, bench_export_apply, spec.__dict__, args.repeat, timeout_s=590)[0]
     for k, v in ab.items():
         print(f"{k:40s} {v:.4g}")
     figures.update(ab)
-    cd = {} if args.only == "ab" else run_ranks(4, bench_init_and_idle, spec.__dict__, args.idle_steps, timeout_s=590)[0]
+    cd = {} if args.only in ("ab", "e") else run_ranks(4, bench_init_and_idle, spec.__dict__, args.idle_steps, timeout_s=590)[0]
     for k, v in cd.items():
         print(f"{k:40s} {v:.4g}")
     figures.update(cd)
+    e = {} if args.only in ("ab", "cd") else run_ranks(4, bench_push_apply, spec.__dict__, args.repeat, args.device,
+                                                        timeout_s=590)[0]
+    for k, v in e.items():
+        print(f"{k:40s} {v:.4g}")
+    figures.update(e)
     print(json.dumps(figures))
 
 

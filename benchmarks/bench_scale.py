@@ -158,6 +158,45 @@ class Pinger(threading.Thread):
         ctx.term()
 
 
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every 20 ms, so the report can say when the peak happened."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.samples: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                text = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return
+            m = re.search(r"VmRSS:\s+(\d+) kB", text)
+            if m:
+                self.samples.append((time.monotonic(), int(m.group(1)) * 1024))
+            time.sleep(0.02)
+
+    def peak_between(self, a: float, b: float) -> int:
+        return max((r for t, r in self.samples if a <= t <= b), default=0)
+
+
+def pinger_main(argv: list[str]) -> None:
+    """``--role pinger ADDR FP NUMEL OUT``: ping from a process of its own (no GIL shared with
+    the islands' clients), write the samples to OUT as JSON when told to stop (SIGTERM)."""
+    import signal
+
+    addr, fp, numel, out = argv[0], argv[1], int(argv[2]), argv[3]
+    p = Pinger(addr, os.environ["YETO_SYNC_KEY"].encode(), fp, numel)
+    signal.signal(signal.SIGTERM, lambda *_: p.stop.set())
+    p.start()
+    while not p.stop.is_set():
+        time.sleep(0.05)
+    p.join(5)
+    Path(out).write_text(json.dumps(p.samples))
+
+
 def vm_hwm(pid: int) -> int:
     text = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024  # type: ignore[union-attr]
@@ -169,6 +208,10 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--data-threads", type=int, default=0, help="syncer --data-threads (0: its default)")
+    ap.add_argument("--syncer-args", default="", help="more syncer flags, e.g. '--part-mib 16 --stream-window 1'")
+    if len(sys.argv) > 2 and sys.argv[1] == "--role":
+        pinger_main(sys.argv[3:])
+        return
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -194,6 +237,7 @@ def main() -> None:
            "--event-log", str(tmp / "events.jsonl")]
     if args.data_threads:
         cmd += ["--data-threads", str(args.data_threads)]
+    cmd += args.syncer_args.split()
     log_f = open(tmp / "syncer.log", "w")
     syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
     try:
@@ -208,7 +252,11 @@ def main() -> None:
                                            send_queue=4), fp, [layout]) for i in range(2)]
         for c in clients:
             c.wait_welcome(60)
-        pinger = Pinger(addr, key, fp, numel)
+        samples_path = tmp / "pings.json"
+        pinger = subprocess.Popen([sys.executable, __file__, "--role", "pinger", addr, fp, str(numel),
+                                   str(samples_path)], env=env)
+        sampler = RssSampler(syncer.pid)
+        sampler.start()
         t_init = time.monotonic()
         done = clients[0].send_init(0, values)
         got_cut = [False, False]
@@ -221,8 +269,7 @@ def main() -> None:
                         init_s = time.monotonic() - t_init
         assert done.wait(60)
         print(f"INIT + cut at island 0: {init_s:.3f}s")
-        pinger.start()
-        time.sleep(0.5)
+        time.sleep(1.0)
         round_s, windows = [], []
         for t in range(1, args.rounds + 1):
             for c in clients:
@@ -250,8 +297,13 @@ def main() -> None:
             windows.append((t0, t1))
             print(f"round {t}: push start -> BCAST at both islands {t1 - t0:.3f}s")
         rss = vm_hwm(syncer.pid)
-        pinger.stop.set()
-        pinger.join(5)
+        sampler.stop.set()
+        t_rounds = windows[0][0] if windows else time.monotonic()
+        rss_init = sampler.peak_between(t_init, t_rounds)
+        rss_rounds = sampler.peak_between(t_rounds, time.monotonic())
+        pinger.terminate()
+        pinger.wait(30)
+        ping_samples = [tuple(x) for x in json.loads(samples_path.read_text())]
         # The figures are in; the pinger never pushes or acknowledges, so stop the syncer here
         # (SIGTERM: it exits 130) instead of finalizing.
         syncer.terminate()
@@ -262,7 +314,7 @@ def main() -> None:
         if syncer.poll() is None:
             syncer.kill()
         log_f.close()
-    during = [rtt for (ts, rtt) in pinger.samples if any(a <= ts <= b for a, b in windows)]
+    during = [rtt for (ts, rtt) in ping_samples if any(a <= ts <= b for a, b in windows)]
     during.sort()
     p99 = during[min(len(during) - 1, int(0.99 * len(during)))] * 1e3 if during else float("nan")
     events = [json.loads(x) for x in (tmp / "events.jsonl").read_text().splitlines()]
@@ -279,11 +331,14 @@ def main() -> None:
         "wire_init_s": round(wire_init, 3),
         "syncer_rss_over_state": round(rss / state, 3),
         "syncer_peak_rss_gib": round(rss / 2**30, 3),
+        "syncer_rss_init_gib": round(rss_init / 2**30, 3),
+        "syncer_rss_rounds_gib": round(rss_rounds / 2**30, 3),
         "rounds": args.rounds,
         "rounds_changed": changed,
         "syncer_exit": code,
         "fragment_gib": round(nbytes / 2**30, 3),
         "cpus": os.cpu_count(),
+        "syncer_args": args.syncer_args,
     }
     print(f"syncer log: {tmp / 'syncer.log'}")
     print(json.dumps(out))

@@ -8,7 +8,7 @@
     (higher is better; 1.0 means the protocol costs nothing; target >= 0.8).
 
 (b) ``merge_vs_numpy``: the syncer's merge + outer Nesterov step
-    (``diloco.outer.outer_step``) on a 128 MiB fragment with 4 islands'
+    (the syncer's data plane: verify, fold, outer step, digests) on a 128 MiB fragment with 4 islands'
     deltas, versus the same arithmetic as numpy in-place ufuncs; the two
     must agree bit for bit. Ratio = numpy_time / ours_time (target >= 0.5).
 
@@ -187,15 +187,19 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
     """(b) ``merge_vs_numpy``: the syncer's merge + outer Nesterov step vs memory-bound numpy.
 
     One fp32 fragment of ``mib`` MiB (value, momentum) and ``islands`` fp32
-    deltas; ours is :func:`diloco.outer.outer_step` with its reusable scratch;
-    the baseline is the same arithmetic as numpy in-place ufuncs on
-    preallocated arrays (the same passes over the same bytes). Both start from
-    the same state and must agree bit for bit. Ratio = numpy_time / ours_time
-    (target >= 0.5).
+    deltas; ours is the syncer's data-plane work on one thread, part by part
+    (32 MiB parts): each island's PUSH parts verified (xxh3) and folded into the
+    running sum, then the outer step written out of place into the sum (which
+    becomes the value; the old value is the next sum, as in the syncer) and the
+    fp32 broadcast payload digested; the baseline is the merge arithmetic alone
+    as numpy in-place ufuncs on preallocated arrays. Both start from the same
+    state and must agree bit for bit. Ratio = numpy_time / ours_time (target >= 0.5).
     """
     import numpy as np
 
-    from diloco.outer import MergeScratch, OuterHyper, outer_step
+    from diloco import wire
+    from diloco.outer import OuterHyper
+    from diloco.syncer.dataplane import CommitPart, FoldPart, RoundSum, run_work
 
     numel = (mib << 20) // 4
     gen = torch.Generator().manual_seed(1)
@@ -203,8 +207,16 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
     deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in range(islands)]
     weights = [1000 + 17 * i for i in range(islands)]
     hyper = OuterHyper()
-    scratch = MergeScratch()
-    value, mom = value0.clone(), torch.zeros(numel)
+    part_elems = 8 << 20
+    layout = wire.FragmentLayout.of([("w", (numel,))])
+    n_parts = layout.n_parts(part_elems)
+    pushes = [[wire.open_message(wire.encode(wire.Push(island=i, generation=1, fragment=0, round=1, attempt=0,
+                                                        base_version=0, local_steps=1, tokens=w, part=k,
+                                                        n_parts=n_parts),
+                                             layout.slice_part([("w", d)], k, part_elems)))
+               for k in range(n_parts)] for i, (d, w) in enumerate(zip(deltas, weights))]
+    state = {"value": value0.clone(), "spare": torch.empty(numel)}
+    mom = torch.zeros(numel)
     nv, nm = value0.numpy().copy(), np.zeros(numel, dtype=np.float32)
     nd = [d.numpy() for d in deltas]
     acc, tmp = np.empty(numel, dtype=np.float32), np.empty(numel, dtype=np.float32)
@@ -225,7 +237,17 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
         np.subtract(nv, tmp, out=nv)
 
     def ours_step() -> None:
-        outer_step([value], [mom], [[d] for d in deltas], weights, hyper, scratch)
+        rs = RoundSum(1, 0, 0, state["spare"], n_parts)
+        for i, parts in enumerate(pushes):
+            for k, opened in enumerate(parts):
+                lo, _hi = layout.part_range(k, part_elems)
+                res = run_work(FoldPart(rs, k, lo, opened, weights[i], i))
+                assert res.error is None, res.error
+        for k in range(n_parts):
+            lo, hi = layout.part_range(k, part_elems)
+            run_work(CommitPart(1, 0, k, lo, hi, state["value"], mom, None, rs, sum(weights), hyper, layout,
+                                part_elems, ("float32",), 1))
+        state["spare"], state["value"] = state["value"], rs.flat
 
     ours_times, numpy_times = [], []
     for i in range(repeat + 1):  # the first pass of each warms buffers and is not timed
@@ -235,8 +257,8 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
         numpy_step()
         t2 = time.perf_counter()
         if i == 0:
-            if not (np.array_equal(value.numpy(), nv) and np.array_equal(mom.numpy(), nm)):
-                raise AssertionError("merge_vs_numpy: outer_step and the numpy reference disagree")
+            if not (np.array_equal(state["value"].numpy(), nv) and np.array_equal(mom.numpy(), nm)):
+                raise AssertionError("merge_vs_numpy: the data plane and the numpy reference disagree")
             continue
         ours_times.append(t1 - t0)
         numpy_times.append(t2 - t1)
@@ -244,7 +266,7 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
     base = statistics.median(numpy_times)
     print(f"merge (b): {mib} MiB fp32 fragment, {islands} islands' fp32 deltas, median of {repeat}")
     print(f"  numpy in-place ufuncs  : {base * 1e3:8.1f} ms")
-    print(f"  diloco.outer.outer_step: {ours * 1e3:8.1f} ms")
+    print(f"  syncer data plane      : {ours * 1e3:8.1f} ms (verify + fold + outer step + payload digests)")
     print(f"  merge_vs_numpy (numpy/ours): {base / ours:.3f}  (target >= 0.5)")
     return {"merge_vs_numpy": round(base / ours, 4), "merge_ms": round(ours * 1e3, 2),
             "numpy_merge_ms": round(base * 1e3, 2), "merge_mib": mib}

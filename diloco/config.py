@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from diloco.keys import read_key_file
 from diloco.security import ClientCurve, load_public, load_secret
 
-WIRE_DTYPE_NAMES = ("float32", "bfloat16")
+WIRE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "q4")
 
 
 class ConfigError(ValueError):
@@ -53,9 +53,31 @@ class IslandConfig:
     """``YETO_DILOCO_ALPHA``: blend on apply, ``θ ← α·local + (1−α)·global``; 0 replaces the
     local value by the merged global one (classic DiLoCo). ``0 <= α < 1``."""
 
+    apply_mode: str = "progress"
+    """``YETO_DILOCO_APPLY``: ``progress`` (default) keeps the local steps taken between a push
+    and the apply of that round's commit, ``θ ← θ_now + (global − θ_push)`` (docs/PROTOCOL.md);
+    ``blend`` applies ``θ ← α·local + (1−α)·global`` with ``YETO_DILOCO_ALPHA``."""
+
+    pushes_in_flight: int = 1
+    """``YETO_DILOCO_PUSHES_IN_FLIGHT``: background pushes (gather + hand-off) that may be
+    unfinished per rank; another push waits for the oldest. ``>= 1``."""
+
+    transfer_timeout_s: float = 300.0
+    """``YETO_DILOCO_TRANSFER_TIMEOUT_S``: bound on every background transfer wait and on the
+    data group's collectives; a rank that died shows up as an error within it."""
+
+    tune_malloc: bool = True
+    """``YETO_DILOCO_TUNE_MALLOC``: pin glibc's mmap / trim thresholds at start so training
+    steps do not pay page faults (``diloco/island/hostmem.py``)."""
+
     wire_dtype: str = "float32"
     """``YETO_WIRE_DTYPE``: ``float32`` or ``bfloat16`` for pushes and broadcasts (bf16 halves
-    the bytes on slow links; the syncer always accumulates in fp32)."""
+    the bytes on slow links; the syncer always accumulates in fp32), or ``int8`` / ``q4``:
+    block-quantized pushes with error feedback (~1/4 and ~1/7.5 of fp32), broadcasts in bf16."""
+
+    quant_block: int = 64
+    """``YETO_QUANT_BLOCK``: elements per bf16 scale of ``int8`` / ``q4`` pushes, a power of two
+    in [8, 4096]; must equal the syncer's ``--quant-block``."""
 
     initial_cut_timeout_s: float = 300.0
     """``YETO_DILOCO_INITIAL_CUT_TIMEOUT``: seconds to wait before the first step for the
@@ -121,6 +143,11 @@ class IslandConfig:
         _check(self.island_id >= 0, "island_id", self.island_id, "must be >= 0")
         _check(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "must satisfy 0 <= alpha < 1")
+        _check(self.apply_mode in ("progress", "blend"), "apply_mode", self.apply_mode, "must be progress or blend")
+        _check(self.alpha == 0.0 or self.apply_mode == "blend", "alpha", self.alpha,
+               "only applies with apply_mode=blend (YETO_DILOCO_APPLY)")
+        _check(self.pushes_in_flight >= 1, "pushes_in_flight", self.pushes_in_flight, "must be >= 1")
+        _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
         _check(self.wire_dtype in WIRE_DTYPE_NAMES, "wire_dtype", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
         _check(self.initial_cut_timeout_s >= 0, "initial_cut_timeout_s", self.initial_cut_timeout_s, "must be >= 0")
@@ -131,6 +158,8 @@ class IslandConfig:
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "must be > 0")
         _check(self.final_timeout_s > 0, "final_timeout_s", self.final_timeout_s, "must be > 0")
         _check(self.send_queue >= 2, "send_queue", self.send_queue, "must be >= 2")
+        _check(self.quant_block in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), "quant_block",
+               self.quant_block, "must be a power of two in [8, 4096]")
         _check(self.ranks_per_node is None or self.ranks_per_node >= 1, "ranks_per_node",
                self.ranks_per_node, "must be >= 1")
         _check(self.sync_rank >= 0, "sync_rank", self.sync_rank, "must be >= 0")
@@ -170,7 +199,7 @@ class IslandConfig:
         if unknown:
             raise ConfigError(f"IslandConfig has no field(s) {', '.join(unknown)}")
         fields: dict[str, object] = {}
-        for name in names - set(overrides):
+        for name in [f.name for f in dataclasses.fields(cls) if f.name not in overrides]:  # field order
             var = _ENV_OF[name]
             if name == "key":
                 fields[name] = _key_from_env(env)
@@ -202,6 +231,10 @@ _ENV_OF: dict[str, str] = {
     "key": "YETO_SYNC_KEY",
     "fragments": "YETO_DILOCO_FRAGMENTS",
     "alpha": "YETO_DILOCO_ALPHA",
+    "apply_mode": "YETO_DILOCO_APPLY",
+    "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
+    "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
+    "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
     "wire_dtype": "YETO_WIRE_DTYPE",
     "initial_cut_timeout_s": "YETO_DILOCO_INITIAL_CUT_TIMEOUT",
     "step_log": "YETO_DILOCO_STEP_LOG",
@@ -211,6 +244,7 @@ _ENV_OF: dict[str, str] = {
     "connect_timeout_s": "YETO_CONNECT_TIMEOUT_S",
     "final_timeout_s": "YETO_FINAL_TIMEOUT_S",
     "send_queue": "YETO_SEND_QUEUE",
+    "quant_block": "YETO_QUANT_BLOCK",
     "cross_node_gloo": "YETO_CROSS_NODE_GLOO",
     "ranks_per_node": "YETO_RANKS_PER_NODE",
     "sync_rank": "YETO_SYNC_RANK",
@@ -255,9 +289,10 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
+    "apply_mode": "str", "pushes_in_flight": "int", "transfer_timeout_s": "float", "tune_malloc": "bool",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
-    "send_queue": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
+    "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
     "curve_server_key": "str", "curve_secret_file": "str",
 }
 _KIND_WORDS = {"int": "int", "int?": "int or None", "float": "a finite number", "bool": "bool",
@@ -328,9 +363,10 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 
 
 _PARSERS = {
-    "fragments": _int_of, "alpha": _float_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of,
+    "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
-    "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of,
+    "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,
     "curve_server_key": _str, "curve_secret_file": _str,
 }

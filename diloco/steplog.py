@@ -114,7 +114,11 @@ class StepRecord(BoundaryRecord):
     "lag_steps"}`` where ``lag_steps`` is the number of steps between this island's push for
     that round and applying its commit; ``{"type": "init", "fragment", "data_bytes"}``,
     ``{"type": "cut", "fragment", "version", "data_bytes"}`` (a cut fragment installed) and
-    ``{"type": "final", "versions", "data_bytes"}``. Readers ignore types they do not know."""
+    ``{"type": "final", "versions", "data_bytes"}``. A push runs in the background after its
+    boundary: its event says what the client will send; when the send queue refused it, a
+    later record carries ``{"type": "push_dropped", "fragment", "round", "attempt",
+    "local_steps", "data_bytes"}`` with the bytes that did not move (the syncer re-pulls).
+    Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int

@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "accelerator_type",
     "current_device",
+    "current_stream",
+    "event_synchronize",
+    "new_stream",
+    "record_event",
+    "stream_wait_event",
+    "use_stream",
     "default_backend",
     "host_buffer",
     "is_accelerator",
@@ -125,3 +131,52 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     if nbytes < 0:
         raise ValueError(f"host_buffer: nbytes must be >= 0, got {nbytes}")
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+# ---------------------------------------------------------------------------
+# Streams and events (the island's background data path). On the CPU every
+# call is a no-op and "streams" / "events" are None, so callers need no branch.
+# ---------------------------------------------------------------------------
+
+
+def current_stream(device: torch.device) -> object | None:
+    """The current stream of ``device`` (None on CPU)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return _module(device.type).current_stream(device)
+
+
+def new_stream(device: torch.device) -> object | None:
+    """A new side stream on ``device`` (None on CPU): copies on it overlap the compute stream."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return _module(device.type).Stream(device=device)
+
+
+def use_stream(stream: object | None):  # type: ignore[no-untyped-def]
+    """Context manager making ``stream`` current (a null context for None)."""
+    import contextlib
+
+    if stream is None:
+        return contextlib.nullcontext()
+    kind = str(getattr(stream, "device", "cuda")).split(":")[0]
+    return _module(kind).stream(stream)
+
+
+def record_event(stream: object | None) -> object | None:
+    """Record an event on ``stream`` (None on CPU); see :func:`event_synchronize`."""
+    if stream is None:
+        return None
+    return stream.record_event()  # type: ignore[attr-defined]
+
+
+def stream_wait_event(stream: object | None, event: object | None) -> None:
+    """Make ``stream`` wait (on the device, the host does not block) for ``event``."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)  # type: ignore[attr-defined]
+
+
+def event_synchronize(event: object | None) -> None:
+    """Block the calling host thread until ``event`` completed (no-op for None)."""
+    if event is not None:
+        event.synchronize()  # type: ignore[attr-defined]

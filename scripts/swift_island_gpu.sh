@@ -8,7 +8,8 @@
 #                 kit/            make_tiny_model.py, make_dataset.py, te_shim/ from the swift GPU kit
 #   RESULT_DIR  where the logs, step logs and digests are copied at the end (default: $OUT or
 #               /tmp/yeto_swift_out); the run itself works in $WORK (default /tmp/yeto_swift).
-# Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599),
+# Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599), MODEL_ARGS (tiny),
+#   SYNCER_ARGS (extra yeto-syncer flags), ISLAND_ENV (extra VAR=value pairs for both islands),
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment.
 # Exit status: 0 only if the syncer and both islands exit 0 and both final digests are equal.
 set -uo pipefail
@@ -38,7 +39,10 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_avai
 PY
 
 # --- 2. tiny random Qwen2 + jsonl data (offline) ---------------------------------------------
-[ -d "$WORK/tiny_qwen2" ] || $PY "$KIT/make_tiny_model.py" "$WORK/tiny_qwen2" --arch qwen2 >>"$REPORT" 2>&1
+# MODEL_ARGS sizes the model, e.g. the 0.7B of the "Real model sizes" issues:
+#   MODEL_ARGS="--layers 16 --hidden 2048 --heads 16 --kv_heads 4 --ffn 5632 --vocab 1024"
+MODEL_DIR="$WORK/tiny_qwen2${MODEL_ARGS:+_$(echo "$MODEL_ARGS" | tr -dc '0-9')}"
+[ -d "$MODEL_DIR" ] || $PY "$KIT/make_tiny_model.py" "$MODEL_DIR" --arch qwen2 ${MODEL_ARGS:-} >>"$REPORT" 2>&1
 [ -f "$WORK/data/pt.jsonl" ] || $PY "$KIT/make_dataset.py" "$WORK/data" >>"$REPORT" 2>&1
 # Island 1 reads the same samples in reverse order, so the islands' local steps differ (ms-swift's
 # Megatron sampler does not take --seed).
@@ -56,7 +60,7 @@ rm -rf "$WORK/ckpt" "$WORK"/steps-*.jsonl "$WORK"/digest-*.json "$WORK/events.js
 export YETO_SYNC_KEY=${YETO_SYNC_KEY:-swift-gpu-test-key}
 $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
   --total-steps "$STEPS" --grace-ms 500 --quorum-timeout-s 120 --final-timeout-s 300 --dead-after-s 120 \
-  --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 \
+  --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 ${SYNCER_ARGS:-} \
   >"$WORK/syncer.log" 2>&1 &
 SYNCER=$!
 
@@ -66,8 +70,8 @@ island() {  # island ID MASTER_PORT
   YETO_DILOCO_STEP_LOG="$WORK/steps-{island}.jsonl" YETO_DILOCO_DIGEST_FILE="$WORK/digest-{island}.json" \
   YETO_CONNECT_TIMEOUT_S=300 YETO_FINAL_TIMEOUT_S=300 YETO_DILOCO_INITIAL_CUT_TIMEOUT=300 \
   NPROC_PER_NODE=1 MASTER_PORT=$2 \
-  timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
-    --model "$WORK/tiny_qwen2" --model_type qwen2 --template qwen \
+  env ${ISLAND_ENV:-} timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
+    --model "$MODEL_DIR" --model_type qwen2 --template qwen \
     --dataset "$WORK/data/$([ "$1" = 1 ] && echo pt_island1.jsonl || echo pt.jsonl)" --split_dataset_ratio 0 \
     --external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto \
     --tensor_model_parallel_size 1 --pipeline_model_parallel_size 1 \

@@ -6,35 +6,68 @@ Every rank of an island builds one :class:`Island` and calls, in this order:
   INIT when the syncer asks for it (streamed, overlapping the gather of fragment k+1 with
   the send of fragment k), then the initial cut;
 * :meth:`Island.step_end` right after every ``optimizer.step()`` — the step boundary;
-* :meth:`Island.finish` once after the last step — the final cut and shutdown.
+* :meth:`Island.finish` once after the last step — the flush rounds, the final cut, shutdown.
 
 Only the sync rank talks to the syncer (through :class:`SyncClient`); it turns what the
-client parked into :class:`Orders` and broadcasts them, and every rank executes the same
-collectives in the same order. Inside a boundary the order is fixed: **apply** every
-received fragment first (blend, new anchor), then **answer pulls** (export ``local −
-anchor``); a pull of a fragment is answered only after at least one local step since that
-fragment's last apply, so a push never carries a zero delta that would drag the mean.
+client parked into :class:`Orders` and every rank executes the same orders in the same
+order. Inside a boundary the order is fixed: **install** the fragments staged on every
+rank (the in-place master write and the model-copy refresh), **stage** newly received
+global values (a background scatter), then **push** (snapshot on the training thread, the
+delta and the gather in the background). The training loop never waits on a transfer:
+see ``diloco/island/datapath.py`` for what runs where.
 
-Failure semantics: anything fatal seen by the sync rank (a refusal, a timeout) is turned
-into ``Orders.error`` and raised on every rank together, so no rank is left waiting in a
-collective the others skipped.
+Apply keeps local progress (``YETO_DILOCO_APPLY=progress``, the default): when the commit
+of a round this island pushed is installed, ``θ ← θ_now + (global − θ_push)`` with
+``θ_push`` the snapshot of that push; the raw global becomes the anchor, so the next push
+carries exactly the steps not merged yet. A cut installs the value as is; with no push of
+the fragment outstanding the value is installed as before (``α``-blend, 0 = replace).
+
+Two process groups, and the order rules that keep them from deadlocking:
+
+* the **island group** (``group``: the layout's CPU group) carries the boundary: the order
+  exchange (one small all-reduce + the orders broadcast), the layout's model-copy refresh,
+  and the synchronous INIT / initial-cut / final-cut transfers. Only the training thread
+  uses it, in the order the orders dictate, identical on every rank;
+* the **data group** (``data_group``: a gloo group over the same ranks, created in
+  ``Island.__init__`` on every rank in the same order, right after the layout) carries the
+  background jobs only: push gathers and apply staging. Only the background worker uses
+  it, running jobs strictly in submit order (FIFO, one thread), and jobs are submitted
+  only from orders, so every rank runs the same data-group traffic in the same order. The
+  two groups never share a collective; neither thread ever waits for the other while
+  inside a collective, except the bounded local waits of the training thread for a job
+  (a push waiting for the push in flight, a re-snapshot of a fragment still being sent,
+  the drain before the final cut).
+
+Failure semantics: anything fatal seen by the sync rank (a refusal, a timeout) becomes
+``Orders.error``; a background job that fails on any rank raises its flag in the next
+order exchange; a rank that died makes the exchange itself fail. In every case every
+surviving rank raises :class:`IslandError` at the same boundary, and no rank is left
+waiting in a collective the others skipped (every wait is bounded by
+``YETO_DILOCO_TRANSFER_TIMEOUT_S``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
+from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from diloco import wire
+from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.client import PendingBcast, SyncClient, SyncError
-from diloco.island.orders import Orders, broadcast_orders
+from diloco.island.background import Background
+from diloco.island.datapath import DataPath
+from diloco.island.hostmem import tune_malloc
+from diloco.island.orders import Orders, broadcast_orders, exchange_orders
 from diloco.island.transfer import FragmentTransfer
 from diloco.layout.base import LayoutAdapter, group_rank
 from diloco.plan import Assignment, FragmentPlan, layout_fingerprint, make_plan
@@ -50,6 +83,21 @@ _INIT_INFLIGHT = 2
 
 class IslandError(RuntimeError):
     """Raised on every rank of the island together when syncing cannot go on."""
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A fragment being staged in the background, to be installed once done on every rank."""
+
+    version: int
+    round: int
+    cut: bool
+    mode: str
+    """How the install writes the masters: cut, progress or blend (see DataPath.install)."""
+    seq: int
+    """Background job number of the staging."""
+    data_bytes: int
+    """Payload bytes of the received value, as it came (wire dtype; sync rank, 0 elsewhere)."""
 
 
 @dataclass
@@ -81,29 +129,57 @@ class Island:
     def __init__(self, config: IslandConfig, layout: LayoutAdapter, *, group: dist.ProcessGroup | None = None,
                  tokens_per_step: int | None = None, assignment: Assignment | None = None) -> None:
         self.cfg = config
+        if config.tune_malloc:
+            tune_malloc()
         self.group = group if group is not None else layout.group
         self.rank = group_rank(self.group)
         self.is_sync = self.rank == config.sync_rank
         self.plan: FragmentPlan = make_plan(layout.specs(), config.fragments, assignment)
         self.fingerprint = layout_fingerprint(self.plan)
-        self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank)
+        timeout = timedelta(seconds=config.transfer_timeout_s)
+        self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank, timeout=timeout)
+        self.data_group = _data_group(self.group, timeout)
+        self.data = DataPath(self.transfer, self.data_group)
+        self.bg = Background(f"yeto-data-{self.rank}", config.pushes_in_flight, config.transfer_timeout_s)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
         n = self.plan.n_fragments
-        # Identical on every rank: updated only from broadcast orders.
+        self.plan_numel = [sum(s.numel for s in self.plan.specs_of(f)) for f in range(n)]
+        """Elements per fragment (a push moves ``numel x wire itemsize`` payload bytes)."""
+        # Identical on every rank: updated only from exchanged orders.
         self.versions = [-1] * n
         self.applied_round = [0] * n
-        self.steps_since_apply = [0] * n
+        self.unmerged_steps = [0] * n
+        """Local steps in ``master − anchor`` per fragment (what the next push carries)."""
         self.step = 0
+        self._snap_round: dict[int, int] = {}
+        """Fragment -> round of its outstanding push snapshot (θ_push), until that commit is installed."""
+        self._snap_steps: dict[int, int] = {}
+        """Fragment -> local steps its outstanding snapshot's push carried (given back if never merged)."""
+        self._push_seq: dict[int, int] = {}
+        self._staging: dict[int, _Staged] = {}
+        self._done_everywhere = 0
         # Sync rank only.
         self.client: SyncClient | None = None
         self._pulls: dict[int, wire.Pull] = {}
+        self._parked_at: dict[int, int] = {}
+        self._decisions = 0
         self._pending: dict[int, PendingBcast] = {}
         self._pushed_at: dict[tuple[int, int], int] = {}
+        self._sent: collections.deque[tuple[int, int, int, int, int, bool]] = collections.deque()
+        """(fragment, round, attempt, local_steps, data_bytes, accepted) of background pushes
+        handed to the client (appended by the worker, taken by the training thread)."""
+        self._late_events: list[dict] = []
+        """Events learned after their boundary (a push the client dropped), for the next record."""
         self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
         self._counters = _Counters()
         self._last_end = time.monotonic()
         self._ctrl0 = (0, 0)
-        self._wire_itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
+        self._wire_nbytes = _wire_nbytes_of(config)
+
+    @property
+    def steps_since_apply(self) -> list[int]:
+        """Old name of :attr:`unmerged_steps`."""
+        return self.unmerged_steps
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> BoundaryRecord:
@@ -193,7 +269,7 @@ class Island:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
-            apply_s += self._apply_all(orders, events)
+            apply_s += self._apply_sync(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(v >= 0 for v in self.versions)
                 log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
@@ -211,26 +287,38 @@ class Island:
         step_s = t0 - self._last_end
         self.step = step
         for f in range(self.plan.n_fragments):
-            self.steps_since_apply[f] += 1
+            self.unmerged_steps[f] += 1
         orders = None
-        wait_s = 0.0
         if self.is_sync:
             assert self.client is not None
             try:
                 self.client.report_step(step)
                 self._collect()
-                orders = Orders(applies=self._take_applies())
-                orders.pushes = self._take_pushes(orders)
+                orders = self._decide(finishing=False)
             except SyncError as exc:
                 orders = Orders(error=str(exc))
         tb = time.monotonic()
-        orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
-        wait_s += time.monotonic() - tb
-        self._raise_if(orders)
+        orders = self._exchange(orders)
+        wait_s = time.monotonic() - tb
         events: list[dict] = []
-        apply_s = self._apply_all(orders, events)
+        apply_s = self._install_all(orders, events)
+        self._stage_all(orders)
         export_s = self._push_all(orders, events)
         return self._end_boundary("train", step, t0, step_s, export_s, apply_s, wait_s, events, loss)
+
+    def _exchange(self, orders: Orders | None) -> Orders:
+        """Orders from the sync rank, and agreement on the background workers (collective)."""
+        try:
+            out, status = exchange_orders(orders, self.group, self.cfg.sync_rank, self.bg.done,
+                                          self.bg.error is not None)
+        except RuntimeError as exc:  # gloo: a peer died (connection closed) or stopped answering
+            self._fail(f"the island's order exchange failed, a rank died or is stuck: {exc}")
+        self._done_everywhere = status.done_everywhere
+        if status.failed_rank >= 0:
+            own = self.bg.error
+            self._fail(f"a background transfer failed on rank {status.failed_rank}" + (f": {own}" if own else ""))
+        self._raise_if(out)
+        return out
 
     def _collect(self) -> None:
         """Move what the client parked into the sync rank's pending tables."""
@@ -251,38 +339,166 @@ class Island:
             have = self._pulls.get(p.fragment)
             if have is None or (p.round, p.attempt) > (have.round, have.attempt):
                 self._pulls[p.fragment] = p
+                self._parked_at[p.fragment] = self._decisions
             self._counters.round, self._counters.attempt = max(
                 (self._counters.round, self._counters.attempt), (p.round, p.attempt))
+        self._take_sent()
 
-    def _take_applies(self) -> list[tuple[int, int, int, bool]]:
-        applies = [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())]
-        return applies
+    def _take_sent(self) -> None:
+        """Sync rank: the outcome of background pushes handed to the client since last time.
+
+        A push's event is written at its boundary, before the client has it (the bytes it
+        will send: numel x wire itemsize, 0 for a zero-weight push). One the send queue
+        refused is reported by a ``push_dropped`` event in the next record, carrying the
+        ``data_bytes`` that did not move, and its steps are unmerged again (the syncer re-pulls)."""
+        while self._sent:
+            f, rnd, attempt, steps, data_bytes, accepted = self._sent.popleft()
+            if accepted:
+                continue
+            self.unmerged_steps[f] += steps
+            self._pushed_at.pop((f, rnd), None)
+            self._late_events.append({"type": "push_dropped", "fragment": f, "round": rnd, "attempt": attempt,
+                                      "local_steps": steps, "data_bytes": data_bytes})
+
+    def _decide(self, finishing: bool) -> Orders:
+        """The sync rank's orders: install what is staged everywhere, stage what arrived, push."""
+        installs = [(f, s.version, s.round, s.cut) for f, s in sorted(self._staging.items())
+                    if s.seq <= self._done_everywhere]
+        installing = {f for f, *_ in installs}
+        stages = [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())
+                  if f not in self._staging or f in installing]
+        orders = Orders(applies=installs, stages=stages)
+        orders.pushes = self._take_pushes(orders, finishing)
+        self._decisions += 1
+        return orders
 
     def _take_pushes(self, orders: Orders, finishing: bool = False) -> list[tuple[int, int, int]]:
-        """Pulls to answer now. While training, a pull waits for one local step on top of the
-        newest value (a zero delta would drag the mean). After the last step no step will come:
-        the pull is answered anyway, with ``local_steps = 0``, which the syncer weighs 0 — so a
-        round opened late (e.g. by a syncer that resumed from a checkpoint) still closes."""
-        applied_now = {f for f, *_ in orders.applies}
-        cut_now = {f for f, _, _, cut in orders.applies if cut}
+        """Pulls to answer now. A push carries ``master − anchor``, so it waits until every
+        newer global value of the fragment is installed, and until the commit of our own
+        previous push of it is (else the same steps would be pushed twice). While training
+        it also waits for one local step (a zero delta would drag the mean). After the last
+        step it is answered with what is left, and its real step count (possibly 0, which the
+        syncer weighs 0), so the flush rounds take every island's last steps."""
+        installs = {f: (r, cut) for f, _, r, cut in orders.applies}
+        replaced = {f for f, *_ in orders.applies if self._staging[f].mode != "progress"}
+        busy = {f for f in self._staging if f not in installs} | set(self._pending)
         pushes = []
         for f, p in sorted(self._pulls.items()):
-            # The newest round of f already committed, counting this boundary's applies; a
-            # cut resets it (a resumed syncer re-runs rounds we had seen committed).
-            floor = 0 if f in cut_now else self.applied_round[f]
-            round_done = max(floor, max((r for g, _, r, cut in orders.applies if g == f and not cut), default=0))
-            if p.round <= round_done:
+            # The newest round of f known committed; a cut resets it (a resumed syncer re-runs rounds).
+            floor = 0 if installs.get(f, (0, False))[1] else self.applied_round[f]
+            known = [floor] + [r for g, (r, cut) in installs.items() if g == f and not cut]
+            known += [s.round for g, s in self._staging.items() if g == f and not s.cut]
+            known += [b.round for g, b in self._pending.items() if g == f and not b.cut]
+            if p.round <= max(known):
                 del self._pulls[f]  # that round committed without us
                 continue
-            if self.versions[f] < 0 and f not in applied_now:
+            if f in busy:
+                continue  # a newer global value is on its way: push on top of it
+            if self.versions[f] < 0 and f not in installs:
                 continue  # never installed: nothing to push against yet
-            if not finishing and (f in applied_now or self.steps_since_apply[f] < 1):
-                continue  # wait for a local step on top of the newest value
+            snap = self._snap_round.get(f)
+            if snap is not None and snap < p.round and f not in installs and \
+                    self._parked_at.get(f, self._decisions) >= self._decisions:
+                # Our previous push's commit is not installed yet. Rounds of a fragment commit
+                # in order and the BCAST precedes the next PULL on the connection, so once this
+                # pull has waited a whole boundary with no BCAST of f, that round committed
+                # without a BCAST (nothing merged): push from the anchor then.
+                continue
+            if not finishing and (self.unmerged_steps[f] < 1 or f in replaced):
+                continue  # wait for a local step on top of the value installed now
             pushes.append((f, p.round, p.attempt))
             del self._pulls[f]
         return pushes
 
-    def _apply_all(self, orders: Orders, events: list[dict]) -> float:
+    def _install_all(self, orders: Orders, events: list[dict]) -> float:
+        """Install fragments staged on every rank: the masters in place, then one refresh."""
+        t0 = time.monotonic()
+        for f, version, rnd, cut in orders.applies:
+            st = self._staging.pop(f)
+            self.data.install(f, st.mode, self.cfg.alpha)
+            self._snap_round.pop(f, None)
+            self._after_apply(f, version, rnd, cut, st.mode == "progress", events,
+                              {"data_bytes": st.data_bytes, "mode": st.mode})
+        if orders.applies:
+            # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
+            self.transfer.refresh(f for f, *_ in orders.applies)
+        return time.monotonic() - t0
+
+    def _after_apply(self, f: int, version: int, rnd: int, cut: bool, progress: bool, events: list[dict],
+                     extra: dict) -> None:
+        self.versions[f] = version
+        # A cut (round 0) resets the round floor: a resumed syncer re-runs later rounds.
+        self.applied_round[f] = rnd if cut else max(self.applied_round[f], rnd)
+        if not progress:
+            self.unmerged_steps[f] = 0  # the local value was replaced (or blended): nothing unmerged
+        if cut:
+            events.append({"type": "cut", "fragment": f, "version": version, **extra})
+        else:
+            self._counters.applies += 1
+            pushed = self._pushed_at.pop((f, rnd), None)
+            events.append({"type": "apply", "fragment": f, "version": version, "round": rnd, **extra,
+                           "lag_steps": None if pushed is None else self.step - pushed})
+
+    def _stage_all(self, orders: Orders) -> None:
+        """Start the background scatter of newly received global values."""
+        for f, version, rnd, cut in orders.stages:
+            values = self._pending.pop(f).tensors if self.is_sync else None
+            data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
+            snap = self._snap_round.get(f)
+            progress = (not cut and self.cfg.apply_mode == "progress" and snap is not None and snap <= rnd)
+            mode = "cut" if cut else "progress" if progress else "blend"
+            seq = self.bg.submit("stage", f"staging of fragment {f} version {version}",
+                                 functools.partial(self.data.stage, f, values, progress))
+            del values
+            self._staging[f] = _Staged(version, rnd, cut, mode, seq, data_bytes)
+
+    def _push_all(self, orders: Orders, events: list[dict]) -> float:
+        """Snapshot each pushed fragment (training thread) and hand the rest to the background."""
+        t0 = time.monotonic()
+        for f, rnd, attempt in orders.pushes:
+            prev = self._push_seq.get(f)
+            if prev is not None and not self.bg.wait(prev):
+                self.bg.fail(f"the previous push of fragment {f} did not finish within "
+                             f"{self.cfg.transfer_timeout_s:.0f}s")
+                continue  # flagged: every rank raises at the next exchange
+            if f in self._snap_round:
+                # A snapshot whose push was never merged (its attempt was dropped, or its round
+                # committed nothing): the anchor did not move, so those steps are still unmerged.
+                self.unmerged_steps[f] += self._snap_steps.get(f, 0)
+            self.data.snapshot(f)
+            self._counters.pushes += 1
+            steps, self.unmerged_steps[f] = self.unmerged_steps[f], 0
+            self._snap_round[f], self._snap_steps[f] = rnd, steps
+            base = self.versions[f]
+            # What the client will put on the wire: the payload in the wire dtype (a zero-weight
+            # push travels bare); counted by the sync rank, which queues it.
+            data_bytes = self._wire_nbytes(self.plan_numel[f]) if self.is_sync and steps else 0
+            if self.is_sync:
+                self._pushed_at[(f, rnd)] = self.step
+            self._push_seq[f] = self.bg.submit("push", f"push of fragment {f} round {rnd}", functools.partial(
+                self._push_job, f, wire.Pull(fragment=f, round=rnd, attempt=attempt), base, steps, data_bytes))
+            events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt, "base_version": base,
+                           "local_steps": steps, "data_bytes": data_bytes, "dropped": False,
+                           "snapshot_bytes": self.data.share_nbytes(f)})
+        return time.monotonic() - t0
+
+    def _push_job(self, f: int, pull: wire.Pull, base_version: int, steps: int, data_bytes: int) -> None:
+        """Background: the delta of the snapshot, gathered to the sync rank, handed to the client.
+
+        The delta lives in pooled buffers that return to the pool only when the last
+        reference dies, so the client may keep reading it after this job ended (the event
+        ``push`` returns is not needed to guard a reuse)."""
+        delta = self.data.gather_delta(f)
+        if not self.is_sync:
+            return
+        assert self.client is not None and delta is not None
+        accepted = self.client.push(pull, base_version, steps, steps * self.tokens_per_step, delta)
+        del delta
+        self._sent.append((f, pull.round, pull.attempt, steps, data_bytes, accepted is not None))
+
+    def _apply_sync(self, orders: Orders, events: list[dict]) -> float:
+        """Start-up only (nothing in the background yet): install cut fragments synchronously.
+        Returns the seconds spent."""
         t0 = time.monotonic()
         for f, version, rnd, cut in orders.applies:
             values = None
@@ -292,44 +508,12 @@ class Island:
                 data_bytes = sum(t.numel() * t.element_size() for _, t in received)  # as it came, wire dtype
                 values = _fp32(received)
                 del received
-            alpha = 0.0 if cut else self.cfg.alpha
-            self.transfer.apply_fragment(f, values, alpha=alpha, refresh=False)
+            self.transfer.apply_fragment(f, values, alpha=0.0 if cut else self.cfg.alpha, refresh=False)
             del values
-            self.versions[f] = version
-            # A cut (round 0) resets the round floor: a resumed syncer re-runs later rounds.
-            self.applied_round[f] = rnd if cut else max(self.applied_round[f], rnd)
-            self.steps_since_apply[f] = 0
-            if cut:
-                events.append({"type": "cut", "fragment": f, "version": version, "data_bytes": data_bytes})
-            else:
-                self._counters.applies += 1
-                pushed = self._pushed_at.pop((f, rnd), None)
-                events.append({"type": "apply", "fragment": f, "version": version, "round": rnd,
-                               "data_bytes": data_bytes, "lag_steps": None if pushed is None else self.step - pushed})
+            self._snap_round.pop(f, None)
+            self._after_apply(f, version, rnd, cut, False, events, {"data_bytes": data_bytes})
         if orders.applies:
-            # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
             self.transfer.refresh(f for f, *_ in orders.applies)
-        return time.monotonic() - t0
-
-    def _push_all(self, orders: Orders, events: list[dict]) -> float:
-        t0 = time.monotonic()
-        for f, rnd, attempt in orders.pushes:
-            delta = self.transfer.export_fragment(f, delta=True)
-            self._counters.pushes += 1
-            steps = self.steps_since_apply[f]
-            data_bytes, dropped = 0, False
-            if self.is_sync:
-                assert self.client is not None and delta is not None
-                pull = wire.Pull(fragment=f, round=rnd, attempt=attempt)
-                if self.client.push(pull, self.versions[f], steps, steps * self.tokens_per_step, delta):
-                    self._pushed_at[(f, rnd)] = self.step
-                    # What the client will put on the wire: payload in the wire dtype.
-                    data_bytes = sum(t.numel() for _, t in delta) * self._wire_itemsize if steps else 0
-                else:
-                    dropped = True
-            events.append({"type": "push", "fragment": f, "round": rnd, "attempt": attempt,
-                           "base_version": self.versions[f], "local_steps": steps, "data_bytes": data_bytes,
-                           "dropped": dropped})
         return time.monotonic() - t0
 
     def _end_boundary(self, phase: str, step: int, t0: float, step_s: float, export_s: float, apply_s: float,
@@ -337,6 +521,11 @@ class Island:
         """Close a boundary: the record every rank returns, and the sync rank's step-log line."""
         end = time.monotonic()
         self._last_end = end
+        if self.is_sync:
+            self._take_sent()
+            if self._late_events:
+                events[:0] = self._late_events
+                self._late_events = []
         record = BoundaryRecord(
             step=step, phase=phase,
             pushed=tuple(e["fragment"] for e in events if e["type"] == "push"),
@@ -362,8 +551,9 @@ class Island:
 
     # ------------------------------------------------------------------ finalization
     def finish(self) -> list[int]:
-        """After the last step: keep answering rounds until the syncer's final cut arrives,
-        install it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions."""
+        """After the last step: keep answering rounds (the syncer's flush rounds take each
+        fragment's real remaining delta and step count) until the final cut arrives, install
+        it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions."""
         deadline = time.monotonic() + self.cfg.final_timeout_s
         if self.is_sync:
             assert self.client is not None
@@ -374,23 +564,37 @@ class Island:
             orders = None
             if self.is_sync:
                 orders = self._finish_orders(deadline, acked)
-            orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
-            self._raise_if(orders)
+            orders = self._exchange(orders)
             events: list[dict] = []
-            apply_s = self._apply_all(orders, events)
+            apply_s = self._install_all(orders, events)
+            self._stage_all(orders)
             export_s = self._push_all(orders, events)
             if orders.final:
+                self._drain("the final cut")
                 apply_s += self._install_final(events)
                 acked = True
             if events:
                 self._end_boundary("finish", self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
             if orders.stop:
                 break
+        self._drain("shutdown")
+        self.bg.close()
         if self._steplog is not None:
             self._steplog.close()
         if self.client is not None:
             self.client.close()
         return list(self.versions)
+
+    def _drain(self, why: str) -> None:
+        """Collective: wait for every background job on every rank, and agree that none failed.
+
+        The final cut writes masters and anchors the background may still read, and the
+        client must have every push before it closes."""
+        if not self.bg.drain():
+            self.bg.fail(f"background jobs did not finish within {self.cfg.transfer_timeout_s:.0f}s before {why}")
+        self._exchange(Orders() if self.is_sync else None)
+        self._staging.clear()
+        self._snap_round.clear()
 
     def _finish_orders(self, deadline: float, acked: bool) -> Orders:
         assert self.client is not None
@@ -413,9 +617,7 @@ class Island:
                 return Orders(error=f"the syncer shut down before sending the final cut: "
                                     f"{self.client.shutdown_reason}")
             self._collect()
-            orders = Orders(applies=self._take_applies())
-            orders.pushes = self._take_pushes(orders, finishing=True)
-            return orders
+            return self._decide(finishing=True)
         except SyncError as exc:
             return Orders(error=str(exc))
 
@@ -453,11 +655,44 @@ class Island:
                 return f"got {name} {tuple(t.shape)}, the plan has {spec.name} {tuple(spec.shape)}"
         return None
 
+    def _take_applies(self) -> list[tuple[int, int, int, bool]]:
+        return [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())]
+
     def _raise_if(self, orders: Orders) -> None:
         if orders.error:
-            if self.client is not None:
-                self.client.close(linger_s=0.5)
-            raise IslandError(f"island {self.cfg.island_id}: {orders.error}")
+            self._fail(orders.error)
+
+    def _fail(self, why: str) -> NoReturn:
+        """Raise IslandError (every rank reaches this at the same boundary); stop talking first."""
+        if self.client is not None:
+            self.client.close(linger_s=0.5)
+        self.bg.close()
+        raise IslandError(f"island {self.cfg.island_id} rank {self.rank}: {why}")
+
+
+def _data_group(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
+    """The background data path's own gloo group over the island's ranks (same group ranks).
+
+    Collective: every rank of the job calls it, in the same order (``Island.__init__``).
+    A one-process island gets a private 1-rank gloo group (no default group needed, none
+    touched: see :func:`diloco.layout.base.island_group`)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout)
+    world = dist.get_world_size()
+    ranks = None if size == world else [dist.get_global_rank(group, r) for r in range(size)]
+    new = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    assert new is not None
+    return new
+
+
+def _wire_nbytes_of(config: IslandConfig) -> Callable[[int], int]:
+    """Payload bytes of a push of ``n`` elements in the island's wire dtype (codes and scales
+    for low-bit pushes: what the client puts on the wire)."""
+    if config.wire_dtype in wire.QUANT_KINDS:
+        return lambda n: quant.wire_nbytes(config.wire_dtype, n, config.quant_block)
+    itemsize = torch.empty((), dtype=getattr(torch, config.wire_dtype)).element_size()
+    return lambda n: n * itemsize
 
 
 def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:

@@ -44,7 +44,7 @@ import msgspec
 import torch
 import zmq
 
-from diloco import wire
+from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, Stream
@@ -165,6 +165,9 @@ class SyncClient:
         """Session nonce of the current connection (0 until WELCOME)."""
         self._send_seq = 0
         self._recv_seq = 0
+        self._feedback = (quant.ErrorFeedback(config.wire_dtype, config.quant_block)
+                          if config.wire_dtype in wire.QUANT_KINDS else None)
+        """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
         self._assembling: dict[tuple[str, int], _Assembly] = {}
         self._streams: list[_Outgoing] = []
         self._thread = threading.Thread(target=self._run, name=f"yeto-client-{config.island_id}", daemon=True)
@@ -321,7 +324,8 @@ class SyncClient:
             self._generation = gen
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=gen,
                            fingerprint=self._fingerprint, n_fragments=self._n_fragments,
-                           wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts))
+                           wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts),
+                           quant_block=self._cfg.quant_block if self._feedback is not None else 0)
         sock.send_multipart(wire.encode(hello, key=self._cfg.key), copy=False)  # nonce 0, seq 0: opens a session
         log.info("island %d: HELLO to %s (generation %x)", self._cfg.island_id, self._cfg.sync_addr, gen)
         return sock
@@ -430,7 +434,10 @@ class SyncClient:
                     out.header, generation=self.generation, part=k, n_parts=n, schema=schema if k == 0 else ())
             else:
                 header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
-            payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype)
+            if isinstance(out.header, wire.Push) and self._feedback is not None:
+                payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
+            else:
+                payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             return self._seal(header, payload)
@@ -442,6 +449,16 @@ class SyncClient:
         taken at send time (the I/O thread seals each message just before zmq gets it)."""
         self._send_seq += 1
         return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
+
+    def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors, k: int) -> wire.Payload:
+        """Part ``k`` of a push as block-quantized codes + bf16 scales, with error feedback: the
+        rounding of this part is carried into the fragment's next push (``diloco.quant``)."""
+        assert self._feedback is not None
+        lo, _hi = layout.part_range(k, self._part_elems)
+        segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
+        flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
+        codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
+        return wire.encode_payload([("codes", codes), ("scales", scales)])
 
     def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
         """Send control messages at once, start queued streams, top up the stream window."""
@@ -614,7 +631,7 @@ class SyncClient:
         if not 0 <= h.fragment < self._n_fragments or h.version < 0:
             raise wire.WireError(f"fragment {h.fragment} / version {h.version} outside the plan")
         kind = wire.kind_of(h)
-        dtype = "float32" if isinstance(h, wire.Final) else self._cfg.wire_dtype
+        dtype = "float32" if isinstance(h, wire.Final) else wire.bcast_dtype(self._cfg.wire_dtype)
         layout = self._layouts[h.fragment]
         problem = layout.check_part(opened.metas, h.part, h.n_parts, self._part_elems, dtype)
         if problem:
@@ -650,6 +667,8 @@ class SyncClient:
                 log.warning("island %d: joined a new syncer instance; accepting its cut", self._cfg.island_id)
                 self._accepted_version = [-1] * self._n_fragments
                 self._bcasts.clear()
+                if self._feedback is not None:
+                    self._feedback.reset_all()
             self._syncer_id = h.syncer_id
             self._part_elems = h.part_elems
             self._nonce = h.nonce
@@ -678,4 +697,6 @@ class SyncClient:
         if h.version <= floor:
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
+        if h.cut and self._feedback is not None:
+            self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors)

@@ -28,7 +28,12 @@ class Orders:
     """One boundary's decisions, identical on every rank after :func:`broadcast_orders`."""
 
     applies: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    """(fragment, version, round, cut) to install, in this order, before any push."""
+    """(fragment, version, round, cut) to install, in this order, before any push. At a step
+    boundary these are fragments already staged on every rank (background scatter done)."""
+
+    stages: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    """(fragment, version, round, cut) whose global value the background starts scattering
+    to the ranks now (installed at a later boundary, by ``applies``)."""
 
     pushes: list[tuple[int, int, int]] = field(default_factory=list)
     """(fragment, round, attempt) to export and push."""
@@ -47,11 +52,11 @@ class Orders:
 
     def is_idle(self) -> bool:
         """Nothing to do: broadcast as an empty payload (the common case, one small broadcast)."""
-        return not (self.applies or self.pushes or self.init or self.final or self.stop or self.error)
+        return not (self.applies or self.stages or self.pushes or self.init or self.final or self.stop or self.error)
 
     def to_json(self) -> bytes:
         """The JSON bytes broadcast to the other ranks (never pickle)."""
-        return json.dumps({"a": self.applies, "p": self.pushes, "i": self.init, "f": self.final, "s": self.stop,
+        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "i": self.init, "f": self.final, "s": self.stop,
                            "e": self.error}).encode()
 
     @classmethod
@@ -59,8 +64,51 @@ class Orders:
         """Parse what :meth:`to_json` wrote, converting every field to its type."""
         d = json.loads(raw)
         return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
+                   stages=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["g"]],
                    pushes=[(int(f), int(r), int(a)) for f, r, a in d["p"]],
                    init=bool(d["i"]), final=bool(d["f"]), stop=d["s"], error=d["e"])
+
+
+@dataclass(frozen=True)
+class Status:
+    """What every rank learns about the background worker at one exchange (identical everywhere)."""
+
+    done_everywhere: int
+    """Highest background job number completed on every rank."""
+    failed_rank: int
+    """Highest rank whose background worker reported a failure; -1 when none did."""
+
+
+def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, done: int,
+                    failed: bool) -> tuple[Orders, Status]:
+    """Like :func:`broadcast_orders`, and agree on the background workers' state, in one
+    all-reduce of an ``int64[4]`` header (an idle boundary costs that one small collective).
+
+    Every field is reduced with MAX: ``(payload length, -done, failed rank + 1, 0)``, where
+    only ``src`` contributes a length, so MAX of ``-done`` is ``-min(done)``.
+    """
+    me = group_rank(group)
+    is_src = me == src
+    head = torch.zeros(4, dtype=torch.int64)
+    payload = b""
+    if is_src:
+        assert orders is not None
+        if not orders.is_idle():
+            payload = orders.to_json()
+            if len(payload) > _MAX_ORDERS_BYTES:
+                raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
+        head[0] = len(payload)
+    head[1] = -done
+    head[2] = me + 1 if failed else 0
+    dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+    status = Status(done_everywhere=-int(head[1]), failed_rank=int(head[2]) - 1)
+    n = int(head[0])
+    if n == 0:
+        return Orders(), status
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, group=group, group_src=src)
+    out = orders if is_src and orders is not None else Orders.from_json(buf.numpy().tobytes())
+    return out, status
 
 
 def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) -> Orders:

@@ -204,17 +204,21 @@ class FragmentTransfer:
             # A timeout here means a peer did not reach the same call: fail loudly, never hang.
             w.wait(self._timeout)
 
-    def _peer(self, group_rank: int) -> int:
-        return dist.get_global_rank(self._group, group_rank) if self._group is not dist.group.WORLD else group_rank
+    @staticmethod
+    def _peer_of(group: dist.ProcessGroup, group_rank: int) -> int:
+        return dist.get_global_rank(group, group_rank) if group is not dist.group.WORLD else group_rank
 
-    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        self.bytes_sent += t.numel() * t.element_size()
-        work = dist.isend(t, dst=self._peer(dst), group=self._group, tag=tag)
+    def _isend(self, t: torch.Tensor, dst: int, tag: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+        g = self._group if group is None else group
+        if group is None:
+            self.bytes_sent += t.numel() * t.element_size()
+        work = dist.isend(t, dst=self._peer_of(g, dst), group=g, tag=tag)
         assert work is not None  # only None for a rank outside the group, which we never are
         return work
 
-    def _irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-        work = dist.irecv(t, src=self._peer(src), group=self._group, tag=tag)
+    def _irecv(self, t: torch.Tensor, src: int, tag: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+        g = self._group if group is None else group
+        work = dist.irecv(t, src=self._peer_of(g, src), group=g, tag=tag)
         assert work is not None
         return work
 

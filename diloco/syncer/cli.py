@@ -17,6 +17,7 @@ import signal
 import sys
 from types import FrameType
 
+from diloco.hostmem import set_malloc_thresholds
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
 from diloco.syncer.config import ConfigError, SyncerConfig
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of fp32 per part: fragments travel as parts of this size (multiple of 1/64 MiB, <= 128)")
     p.add_argument("--max-fragment-gib", type=float, default=32.0,
                    help="largest fragment (GiB of fp32) accepted; a bigger plan is refused at HELLO with the fix")
+    p.add_argument("--quant-block", type=int, default=64,
+                   help="elements per bf16 scale of int8 / q4 pushes; islands must use the same (YETO_QUANT_BLOCK)")
+    p.add_argument("--stream-window", type=int, default=2,
+                   help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
@@ -140,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             join_timeout_s=args.join_timeout_s,
             part_elems=_part_elems(args.part_mib),
             max_fragment_bytes=int(args.max_fragment_gib * 2**30),
+            quant_block=args.quant_block,
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
+        if args.stream_window < 1:
+            raise ConfigError(f"--stream-window: must be >= 1, got {args.stream_window}")
         if args.resume and not args.checkpoint_dir:
             raise ConfigError("--resume: needs --checkpoint-dir")
         if not args.status_every_s > 0:
@@ -158,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log.info("transport: CurveZMQ, %s", f"{len(curve.allowed)} island keys from {curve.clients_dir}"
                  if curve.clients_dir else "keys derived from the shared HMAC key")
+    # Received parts are malloc'd and freed by libzmq at tens of MiB per second: keep such
+    # blocks mapped-and-unmapped so transient buffers never stay resident (diloco.hostmem).
+    set_malloc_thresholds(mmap_bytes=1 << 20, trim_bytes=64 << 20)
     store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
     snapshot = None
     if args.resume and store is not None:
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
-                          data_threads=args.data_threads, curve=curve)
+                          data_threads=args.data_threads, window=args.stream_window, curve=curve)
     try:
         loop = SyncerLoop(state, options, store)
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log

@@ -51,6 +51,8 @@ class SyncerConfig:
             a multiple of 4096.
         max_fragment_bytes: fp32 bytes one fragment may hold (``--max-fragment-gib``); a
             plan above it is refused at HELLO with the fix.
+        quant_block: elements per scale of ``int8`` / ``q4`` pushes (``--quant-block``); an
+            island with another block size is refused at HELLO.
     """
 
     islands: int
@@ -69,6 +71,7 @@ class SyncerConfig:
     max_fragments: int = 4096
     part_elems: int = 8 << 20
     max_fragment_bytes: int = 32 << 30
+    quant_block: int = 64
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -96,6 +99,8 @@ class SyncerConfig:
         need(isinstance(self.part_elems, int) and self.part_elems > 0 and self.part_elems % 4096 == 0
              and self.part_elems * 4 <= (128 << 20), "--part-mib", f"must give whole 16 KiB parts of at most 128 MiB, "
              f"got {self.part_elems} elements")
+        need(self.quant_block in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), "--quant-block",
+             f"must be a power of two in [8, 4096], got {self.quant_block}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from diloco import quant
 from diloco.outer import OuterHyper
 from diloco.wire import Opened, Payload, WireError, encode_payload
 from diloco.wire.parts import FragmentLayout
@@ -83,6 +84,10 @@ class FoldPart:
     opened: Opened
     weight: int
     island: int
+    quant: tuple[str, int] | None = None
+    """(kind, block) for an int8 / q4 push part (codes + scales), None for fp32 / bf16 segments."""
+    n: int = 0
+    """Elements of the part (needed to read a q4 payload, whose codes pack two per byte)."""
 
 
 @dataclass
@@ -160,6 +165,9 @@ def fold_part(w: FoldPart, scratch: _Scratch) -> None:
     """Fold one verified part: ``s = w * d`` for the first contribution, ``s = s + w * d`` after."""
     if w.sum.void:
         return
+    if w.quant is not None:
+        _fold_quant_part(w)
+        return
     w.opened.verify(parallel=False)
     weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
     views = w.opened.chunk_views()
@@ -180,6 +188,26 @@ def fold_part(w: FoldPart, scratch: _Scratch) -> None:
             target.mul_(weight)
         if not first:
             dst.add_(target)
+    w.sum.started[w.part] = True
+
+
+def _fold_quant_part(w: FoldPart) -> None:
+    """Fold a low-bit part: dequantize block by block straight into the running sum (never an
+    fp32 copy of the push). The first contribution starts from zeros: ``s = 0 + w * x'``."""
+    assert w.quant is not None
+    kind, block = w.quant
+    codes_meta, scales_meta = w.opened.metas
+    codes = torch.empty(codes_meta.shape, dtype=torch.uint8)
+    scales = torch.empty(scales_meta.shape, dtype=torch.bfloat16)
+    w.opened.copy_into([codes, scales], parallel=False)  # the payload is 1/8 of fp32: one small copy
+    out = w.sum.flat[w.lo : w.lo + w.n]
+    try:
+        quant.check_payload(codes, scales, kind, block, out.numel())
+    except quant.QuantError as exc:
+        raise WireError(f"{kind} part {w.part}: {exc}") from None
+    if not w.sum.started[w.part]:
+        out.zero_()
+    quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight))
     w.sum.started[w.part] = True
 
 
@@ -295,6 +323,9 @@ class DataPlane:
                 self._pending -= 1
                 self._pending_bytes -= nbytes
             self._on_result(result)
+            # Drop our references now: an idle worker must not keep the last value it read
+            # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
+            del work, result
 
 
 def run_work(work: Work, scratch: _Scratch | None = None) -> Result:

@@ -87,10 +87,10 @@ class LoopOptions:
     poll_ms: int = 20
     max_batch: int = 64
     sndhwm: int = 1000
-    rcvhwm: int = 4
+    rcvhwm: int = 2
     window: int = 2
     data_threads: int = field(default_factory=default_threads)
-    max_backlog_bytes: int = 256 << 20
+    max_backlog_bytes: int = 128 << 20
     linger_ms: int = 2000
     status_every_s: float = 2.0
     event_log: str | None = None
@@ -400,6 +400,7 @@ class SyncerLoop:
                         outgoing.extend(self._receive(time.monotonic(), limits))
                     except zmq.Again:
                         break
+                    self._submit_work()  # counted in the backlog before the next read
                 now = time.monotonic()
                 outgoing.extend(self.state.tick(now))
                 self._submit_work()

@@ -42,7 +42,9 @@ from diloco.syncer.records import (
 )
 from diloco.wire import (
     PROTOCOL_VERSION,
-    WIRE_DTYPES,
+    PUSH_DTYPES,
+    QUANT_KINDS,
+    bcast_dtype,
     Error,
     FinalAck,
     FragmentLayout,
@@ -317,8 +319,11 @@ class SyncerState:
             raise Dropped("replayed_hello", f"HELLO of island {h.island} generation {h.generation} seen before")
         if msg.nonce or msg.seq:
             raise Refused("bad_session", "HELLO opens a session: nonce and seq must be 0")
-        if h.wire_dtype not in WIRE_DTYPES:
-            raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {sorted(WIRE_DTYPES)}")
+        if h.wire_dtype not in PUSH_DTYPES:
+            raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {list(PUSH_DTYPES)}")
+        if h.wire_dtype in QUANT_KINDS and h.quant_block != cfg.quant_block:
+            raise Refused("bad_quant", f"{h.wire_dtype} pushes with blocks of {h.quant_block} elements; this syncer "
+                                       f"uses --quant-block {cfg.quant_block} (set YETO_QUANT_BLOCK={cfg.quant_block})")
         if not 1 <= h.n_fragments <= cfg.max_fragments:
             raise Refused("bad_fragments", f"n_fragments {h.n_fragments} outside [1, {cfg.max_fragments}]")
         if not 0 < len(h.fingerprint) <= MAX_FINGERPRINT_CHARS:
@@ -444,9 +449,16 @@ class SyncerState:
         assert frag.layout is not None
         if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
             frag.initialised = True
+            self._size_pool()
             frag.version = 0
             log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
                      frag.layout.numel * 4 / 2**20)
+
+    def _size_pool(self) -> None:
+        """Keep at most one fragment's buffer idle: a freed value is the next round's sum;
+        more idle memory would only be resident for nothing."""
+        largest = max((f.layout.numel * 4 for f in self.fragments if f.layout is not None), default=0)
+        self.pool.max_idle_bytes = largest
 
     def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
@@ -493,7 +505,12 @@ class SyncerState:
             elif h.n_parts != frag.layout.n_parts(E):
                 raise Refused("bad_part", f"n_parts {h.n_parts}, fragment {r.fragment} has "
                                           f"{frag.layout.n_parts(E)} parts")
-        if h.n_parts > 0:
+        quant = (rec.wire_dtype, self.config.quant_block) if rec.wire_dtype in QUANT_KINDS else None
+        if h.n_parts > 0 and quant is not None:
+            problem = frag.layout.check_quant_part(msg.metas, h.part, h.n_parts, E, *quant)
+            if problem:
+                raise Refused("bad_part", f"PUSH round {h.round}: {problem}")
+        elif h.n_parts > 0:
             problem = frag.layout.check_part(msg.metas, h.part, h.n_parts, E, rec.wire_dtype)
             if problem:
                 raise Refused("bad_part", f"PUSH round {h.round}: {problem}")
@@ -512,10 +529,10 @@ class SyncerState:
         if r.sum is None:
             r.sum = RoundSum(r.round, r.attempt, r.fragment, self.pool.empty((frag.layout.numel,), torch.float32),
                              frag.layout.n_parts(E))
-        lo, _hi = frag.layout.part_range(h.part, E)
+        lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
-        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island))
+        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo))
 
     def _on_folded(self, work: FoldPart, result: Result, now: float, out: list[Out]) -> None:
         r = self.rounds.get(work.sum.round)
@@ -634,7 +651,7 @@ class SyncerState:
             # A checkpoint being written in the background reads this momentum: write beside it.
             r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
         E = self.config.part_elems
-        dtypes = tuple(sorted({"float32"} | {i.wire_dtype for i in self.live()}))
+        dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
         n = frag.layout.n_parts(E)
         r.commit_parts_left = n
         frag.committing = True
@@ -709,7 +726,7 @@ class SyncerState:
                 out.append(self._bcast(isl, frag, r.round, cut=False))
 
     def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> OutStream:
-        return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, isl.wire_dtype)
+        return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, bcast_dtype(isl.wire_dtype))
 
     def _deliver_cuts(self, out: list[Out]) -> None:
         if not self.initialised:
@@ -869,5 +886,6 @@ class SyncerState:
                 ledger.merges, ledger.steps, ledger.tokens = led["merges"], led["steps"], led["tokens"]
         self.fingerprint = snap.fingerprint
         self.fragments = frags
+        self._size_pool()
         self.next_open = self.next_commit = snap.next_round
         log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(self.versions()), snap.next_round)

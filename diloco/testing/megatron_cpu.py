@@ -30,6 +30,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Collection
 from typing import Any, Callable, Iterator
 
 import torch
@@ -476,7 +477,8 @@ def _worker(
         os._exit(code)
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+              may_die: Collection[int] = ()) -> list[Any]:
     """Fork `world` workers that each run `fn(rank, world, *args)` under a gloo default group.
 
     `fn` must be a module-level function and return something JSON-able. The
@@ -515,12 +517,18 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
             mp.connection.wait([conns[r] for r in pending], timeout=0.2)
             for r in sorted(pending):
                 msg = None
+                eof = False
                 if conns[r].poll():
                     try:
                         msg = json.loads(conns[r].recv_bytes())
                     except EOFError:
-                        msg = None
-                if msg is None and not procs[r].is_alive() and not conns[r].poll():
+                        msg, eof = None, True  # the worker's end closed: it exited without a result
+                if eof:
+                    procs[r].join(timeout=5)
+                if msg is None and not procs[r].is_alive() and (eof or not conns[r].poll()):
+                    if r in may_die:
+                        pending.discard(r)
+                        continue
                     raise RuntimeError(f"run_ranks: rank {r} died (exit code {procs[r].exitcode}) without a result")
                 if msg is None:
                     continue

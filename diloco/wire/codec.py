@@ -49,6 +49,7 @@ from diloco.wire.schema import (
     MAC_BYTES,
     PROBE_DECODER,
     PROTOCOL_VERSION,
+    PUSH_DTYPES,
     WIRE_DTYPES,
     Envelope,
     Header,
@@ -255,8 +256,8 @@ def _check_header(env: Envelope, limits: Limits) -> None:
     header = env.header
     if isinstance(header, (Hello, Welcome)) and header.protocol != PROTOCOL_VERSION:
         raise WireError(f"{kind_of(header)} declares protocol {header.protocol}, expected {PROTOCOL_VERSION}")
-    if isinstance(header, Hello) and header.wire_dtype not in WIRE_DTYPES:
-        raise WireError(f"HELLO wire_dtype {header.wire_dtype!r} not in {sorted(WIRE_DTYPES)}")
+    if isinstance(header, Hello) and header.wire_dtype not in PUSH_DTYPES:
+        raise WireError(f"HELLO wire_dtype {header.wire_dtype[:40]!r} not in {list(PUSH_DTYPES)}")
     if len(env.tensors) > limits.max_tensors:
         raise WireError(f"{len(env.tensors)} tensors, limit {limits.max_tensors}")
     if not 0 < env.chunk_bytes <= limits.max_chunk_bytes:

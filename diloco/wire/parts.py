@@ -128,3 +128,21 @@ class FragmentLayout:
             if meta.dtype != dtype:
                 return f"part {k}: segment {meta.name[:80]!r} is {meta.dtype}, expected {dtype}"
         return None
+
+    def check_quant_part(self, metas: Sequence[TensorMeta], k: int, n_parts: int, part_elems: int, kind: str,
+                         block: int) -> str | None:
+        """Why a low-bit push part does not fit (None if it does): exactly ``codes`` (uint8)
+        and ``scales`` (bf16) of the sizes the part's element count gives."""
+        want_parts = self.n_parts(part_elems)
+        if n_parts != want_parts:
+            return f"n_parts {n_parts}, the fragment has {want_parts} parts of {part_elems} elements"
+        if not 0 <= k < n_parts:
+            return f"part {k} outside [0, {n_parts})"
+        lo, hi = self.part_range(k, part_elems)
+        n = hi - lo
+        codes = n if kind == "int8" else -(-n // 2)
+        want = [("codes", "uint8", (codes,)), ("scales", "bfloat16", (-(-n // block),))]
+        got = [(m.name, m.dtype, tuple(m.shape)) for m in metas]
+        if got != want:
+            return f"part {k}: {kind} payload {got[:3]}, expected {want}"
+        return None

@@ -31,11 +31,24 @@ DEFAULT_CHUNK_BYTES: int = 4 << 20
 """Chunk size used by :func:`encode`: large enough that per-frame overhead is
 negligible, small enough that a chunk stays in cache between hashing and copying."""
 
-WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""The only tensor dtypes that may travel; keys are the names used in headers."""
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+"""The only tensor dtypes that may travel; keys are the names used in headers (``uint8``
+only for the codes of low-bit pushes)."""
 
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
-ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2}
+ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "uint8": 1}
+
+PUSH_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "int8", "q4")
+"""What an island's pushes may travel as (HELLO ``wire_dtype``): plain fp32/bf16 segments, or
+block-quantized codes + bf16 scales (``diloco.quant``, docs/PROTOCOL.md "Low-bit pushes")."""
+
+QUANT_KINDS: tuple[str, ...] = ("int8", "q4")
+
+
+def bcast_dtype(push_dtype: str) -> str:
+    """The dtype of the broadcasts an island gets: its push dtype, bf16 for low-bit pushes
+    (broadcasts are values, not pseudo-gradients: they stay fp32 or bf16)."""
+    return "bfloat16" if push_dtype in QUANT_KINDS else push_dtype
 
 MAC_BYTES: int = 32
 """Length of frame 0 (an HMAC-SHA256 digest)."""
@@ -130,6 +143,8 @@ class Hello(_HeaderBase, tag="HELLO"):
     n_fragments: int
     wire_dtype: str
     fragment_numel: tuple[int, ...] = ()
+    quant_block: int = 0
+    """Elements per scale of ``int8`` / ``q4`` pushes (0 for fp32 / bf16); must match the syncer."""
     """Elements of each fragment of the island's plan, checked against the syncer's limits."""
 
 

@@ -17,6 +17,10 @@ def test_defaults_and_overrides() -> None:
     cfg = IslandConfig.from_env(dict(BASE, YETO_DILOCO_STEP_LOG="/tmp/s-{island}.jsonl"), tokens_per_step=64)
     assert (cfg.island_id, cfg.fragments, cfg.wire_dtype, cfg.tokens_per_step) == (1, 4, "float32", 64)
     assert cfg.step_log_path() == "/tmp/s-1.jsonl" and cfg.key == b""
+    assert (cfg.apply_mode, cfg.pushes_in_flight, cfg.transfer_timeout_s, cfg.tune_malloc) == ("progress", 1, 300.0, True)
+    blend = IslandConfig.from_env(dict(BASE, YETO_DILOCO_APPLY="blend", YETO_DILOCO_ALPHA="0.5",
+                                       YETO_DILOCO_PUSHES_IN_FLIGHT="2", YETO_DILOCO_TUNE_MALLOC="0"))
+    assert (blend.apply_mode, blend.alpha, blend.pushes_in_flight, blend.tune_malloc) == ("blend", 0.5, 2, False)
 
 
 @pytest.mark.parametrize("env, var", [
@@ -30,6 +34,11 @@ def test_defaults_and_overrides() -> None:
     (dict(BASE, YETO_CROSS_NODE_GLOO="maybe"), "YETO_CROSS_NODE_GLOO"),
     (dict(BASE, YETO_RANKS_PER_NODE="0"), "YETO_RANKS_PER_NODE"),
     (dict(BASE, YETO_SYNC_ADDR="localhost:5555"), "YETO_SYNC_ADDR"),
+    (dict(BASE, YETO_DILOCO_APPLY="replace"), "YETO_DILOCO_APPLY"),
+    (dict(BASE, YETO_DILOCO_ALPHA="0.5"), "YETO_DILOCO_ALPHA"),  # alpha is a blend parameter
+    (dict(BASE, YETO_DILOCO_PUSHES_IN_FLIGHT="0"), "YETO_DILOCO_PUSHES_IN_FLIGHT"),
+    (dict(BASE, YETO_DILOCO_TRANSFER_TIMEOUT_S="0"), "YETO_DILOCO_TRANSFER_TIMEOUT_S"),
+    (dict(BASE, YETO_DILOCO_TUNE_MALLOC="maybe"), "YETO_DILOCO_TUNE_MALLOC"),
 ])
 def test_bad_values_name_the_variable(env: dict, var: str) -> None:
     with pytest.raises(ConfigError, match=var):

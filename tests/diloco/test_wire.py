@@ -317,8 +317,8 @@ def test_wrong_field_types_unknown_kind_and_unknown_fields() -> None:
     _refused(_forge(_raw_envelope(good, sneaky=1)), "unknown field `sneaky`", key=KEY)
     _refused(_forge(_raw_envelope(good, tensors=[["t", "float32", ["4"], [0]]])), "malformed header", key=KEY)
     hello = {"kind": "HELLO", "protocol": wire.PROTOCOL_VERSION, "island": 0, "generation": 1, "fingerprint": "f",
-             "n_fragments": 1, "wire_dtype": "int8"}
-    _refused(_forge(_raw_envelope(hello)), "HELLO wire_dtype 'int8'", key=KEY)
+             "n_fragments": 1, "wire_dtype": "float16"}
+    _refused(_forge(_raw_envelope(hello)), "HELLO wire_dtype 'float16'", key=KEY)
 
 
 # --------------------------------------------------------------------------- receive pool

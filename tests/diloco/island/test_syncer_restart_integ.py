@@ -35,7 +35,8 @@ def _commits(path) -> list[dict]:
         text = path.read_text()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    lines = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    return [e for e in lines if "round" in e]  # the run's summary line is not a commit
 
 
 def test_islands_survive_a_syncer_restart(tmp_path) -> None:
@@ -58,7 +59,10 @@ def test_islands_survive_a_syncer_restart(tmp_path) -> None:
     second = None
     try:
         deadline = time.monotonic() + 240
-        while len(_commits(tmp_path / "events.jsonl")) < 3:
+        # Kill once both islands are in rounds (the round clock does not wait for a late
+        # joiner: island 0 alone may commit several rounds before island 1 says HELLO).
+        while len(_commits(tmp_path / "events.jsonl")) < 3 or \
+                not any(len(c["pushed"]) == 2 for c in _commits(tmp_path / "events.jsonl")):
             assert time.monotonic() < deadline, "no commits before the kill"
             assert all(p.poll() is None for p in islands), "an island ended before the kill"
             time.sleep(0.05)

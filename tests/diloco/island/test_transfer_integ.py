@@ -143,12 +143,62 @@ def _worker(rank: int, world: int, spec_kw: dict[str, Any], tp: int, pp: int, ep
                 fails.append(f"delta after step: {n} != master - anchor")
         if not changed:
             fails.append("training step did not change fragment 1")
+    # 5. The background path (own gloo data group, worker thread) gives the same bits.
+    fails += _background_checks(rank, built, xfer, plan, after, d1, gen)
     return {
         "fails": fails,
         "fingerprint": layout_fingerprint(plan),
         "anchors": [xfer.has_anchor(f) for f in range(plan.n_fragments)],
         "loss": loss,
     }
+
+
+def _background_checks(rank: int, built: Any, xfer: Any, plan: Any, after: Any, d1: Any,
+                       gen: torch.Generator) -> list[str]:
+    """Snapshot fragment 1 at the state of `after`, train on, then gather in the background:
+    the delta is the snapshot's (== d1, bitwise). Stage + install: progress on fragment 1
+    (θ_now + (g − θ_push)), replace on fragment 2; both against the synchronous path."""
+    from datetime import timedelta
+
+    from diloco.island.background import Background
+    from diloco.island.datapath import DataPath
+
+    fails: list[str] = []
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    data = DataPath(xfer, group)
+    bg = Background("test-data", 1, 60.0)
+    out: dict[str, Any] = {}
+    data.snapshot(1)
+    built.train_step()  # the masters move on while the push is in flight
+    now = xfer.export_fragment(1, delta=False)
+    bg.submit("push", "push", lambda: out.__setitem__("d", data.gather_delta(1)))
+    g = {n: torch.randn(s.shape, generator=gen) for n, s in plan.specs.items()}
+    for f, progress in ((1, True), (2, False)):
+        vals = [(n, g[n]) for n in plan.names(f)] if rank == 0 else None
+        bg.submit("stage", "stage", lambda f=f, vals=vals, progress=progress: data.stage(f, vals, progress))
+    if not bg.drain(60) or bg.error:
+        return [f"background: {bg.error or 'timeout'}"]
+    data.install(1, "progress")
+    data.install(2, "blend", 0.0)
+    xfer.refresh([1, 2])
+    got1 = xfer.export_fragment(1, delta=False)
+    got2 = xfer.export_fragment(2, delta=False)
+    next1 = xfer.export_fragment(1, delta=True)
+    if rank == 0:
+        for (n, d), (_, want) in zip(out["d"], d1):
+            if not torch.equal(d, want):
+                fails.append(f"background delta {n} is not the snapshot's")
+        for (n, t), (_, t_now), (_, t_push), (_, nd) in zip(got1, now, after, next1):
+            want = t_now + (g[n] - t_push)
+            if not torch.equal(t, want):
+                fails.append(f"progress install {n} != θ_now + (g − θ_push)")
+            if not torch.equal(nd, want - g[n]):
+                fails.append(f"next delta {n} != unmerged progress")
+        for n, t in got2:
+            if not torch.equal(t, g[n]):
+                fails.append(f"staged replace {n} != g")
+    bg.close()
+    return fails
 
 
 def _check(results: list[dict]) -> str:
