@@ -174,8 +174,9 @@ class _ThrottledSyncer(threading.Thread):
             msg = wire.decode(frames)
             if isinstance(msg.header, wire.Hello):
                 welcome = wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=1, need_init=True,
-                                       versions=(0,) * self.n, sync_every=100, total_steps=0)
-                self.sock.send_multipart([peer.bytes, *wire.encode(welcome)])
+                                       versions=(0,) * self.n, sync_every=100, total_steps=0,
+                                       generation=msg.header.generation, nonce=1)
+                self.sock.send_multipart([peer.bytes, *wire.encode(welcome, nonce=1, seq=1)])
             elif isinstance(msg.header, wire.Init):
                 time.sleep(wire.payload_bytes(msg) / self.rate)
                 self.absorbed += 1

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from diloco import wire  # noqa: E402
+from diloco import wire
+from diloco.security import ClientCurve, secure_client  # noqa: E402
 from diloco.config import IslandConfig  # noqa: E402
 from diloco.island.client import SyncClient  # noqa: E402
 
@@ -125,14 +126,19 @@ class Pinger(threading.Thread):
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.RCVHWM, 8)
+        secure_client(s, ClientCurve.from_shared_key(self.key))  # HMAC mode: Curve keys derived from the key
         s.connect(self.addr)
         gen = random.getrandbits(62)
+        nonce, seq = 0, 0
         s.send_multipart(wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, island=2, generation=gen,
                                                 fingerprint=self.fp, n_fragments=1, wire_dtype="float32",
                                                 fragment_numel=(self.numel,)), key=self.key))
         while not self.stop.is_set():
             t0 = time.monotonic()
-            s.send_multipart(wire.encode(wire.Heartbeat(island=2, generation=gen, step=0), key=self.key))
+            if nonce:  # heartbeats belong to the session WELCOME opened
+                seq += 1
+                s.send_multipart(wire.encode(wire.Heartbeat(island=2, generation=gen, step=0), key=self.key,
+                                             nonce=nonce, seq=seq))
             while not self.stop.is_set():
                 if not s.poll(100):
                     continue
@@ -141,6 +147,9 @@ class Pinger(threading.Thread):
                     h = wire.open_message(frames, key=self.key).header
                 except wire.WireError:
                     continue
+                if isinstance(h, wire.Welcome):
+                    nonce = h.nonce
+                    break
                 if isinstance(h, wire.Heartbeat):
                     self.samples.append((t0, time.monotonic() - t0))
                     break

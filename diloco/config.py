@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from diloco.keys import read_key_file
+from diloco.security import ClientCurve, load_public, load_secret
 
 WIRE_DTYPE_NAMES = ("float32", "bfloat16", "int8", "q4")
 
@@ -122,6 +123,15 @@ class IslandConfig:
     sync_rank: int = 0
     """``YETO_SYNC_RANK``: the rank (of the island's world) that talks to the syncer."""
 
+    curve_server_key: str = ""
+    """``YETO_CURVE_SERVER_KEY``: the syncer's CurveZMQ public key (40 Z85 characters, or the
+    path of its public certificate ``syncer.key``). Set with ``YETO_CURVE_SECRET_FILE`` for
+    Curve mode; unset, a shared key (``YETO_SYNC_KEY``) gives Curve keys derived from it."""
+
+    curve_secret_file: str = ""
+    """``YETO_CURVE_SECRET_FILE``: this island's CurveZMQ secret certificate (``yeto-keys
+    generate``); its public half must be in the syncer's ``--curve-clients-dir``."""
+
     def __post_init__(self) -> None:
         # Types first, so a config built in code (``IslandConfig(island_id="0")``) fails here
         # naming the field and its variable, just as a bad ``YETO_*`` string does in from_env.
@@ -153,6 +163,26 @@ class IslandConfig:
         _check(self.ranks_per_node is None or self.ranks_per_node >= 1, "ranks_per_node",
                self.ranks_per_node, "must be >= 1")
         _check(self.sync_rank >= 0, "sync_rank", self.sync_rank, "must be >= 0")
+        _check(bool(self.curve_server_key) == bool(self.curve_secret_file), "curve_server_key",
+               self.curve_server_key[:60], "and curve_secret_file (YETO_CURVE_SECRET_FILE) must be set together")
+        if self.curve_secret_file:
+            self.client_curve()  # fails here, at start, naming the variable
+
+    def client_curve(self) -> ClientCurve | None:
+        """Transport keys: from the Curve variables, else derived from the shared key, else None (plain)."""
+        if self.curve_secret_file:
+            try:
+                public, secret = load_secret(self.curve_secret_file)
+            except ValueError as exc:
+                raise ConfigError(f"curve_secret_file (YETO_CURVE_SECRET_FILE): {exc}") from exc
+            try:
+                server = load_public(self.curve_server_key)
+            except ValueError as exc:
+                raise ConfigError(f"curve_server_key (YETO_CURVE_SERVER_KEY): {exc}") from exc
+            return ClientCurve(server, public, secret)
+        if self.key:
+            return ClientCurve.from_shared_key(self.key)
+        return None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> IslandConfig:
@@ -218,6 +248,8 @@ _ENV_OF: dict[str, str] = {
     "cross_node_gloo": "YETO_CROSS_NODE_GLOO",
     "ranks_per_node": "YETO_RANKS_PER_NODE",
     "sync_rank": "YETO_SYNC_RANK",
+    "curve_server_key": "YETO_CURVE_SERVER_KEY",
+    "curve_secret_file": "YETO_CURVE_SECRET_FILE",
 }
 """Each field's variable: error messages name both, whichever way the value came in."""
 
@@ -261,6 +293,7 @@ _KIND: dict[str, str] = {
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
     "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
+    "curve_server_key": "str", "curve_secret_file": "str",
 }
 _KIND_WORDS = {"int": "int", "int?": "int or None", "float": "a finite number", "bool": "bool",
                "bytes": "bytes (or str)", "str?": "str or None", "str": "str"}
@@ -335,5 +368,6 @@ _PARSERS = {
     "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,
+    "curve_server_key": _str, "curve_secret_file": _str,
 }
 """How each optional field is parsed from its (set, non-empty) variable."""

@@ -17,6 +17,7 @@ COMMANDS = {
     "yeto-syncer": ["-m", "diloco.syncer"],
     "yeto-steplog": ["-m", "diloco.steplog_report"],
     "yeto-demo": ["-m", "diloco.demo.cli"],
+    "yeto-keys": ["-m", "diloco.keys_cli"],
     "python -m swift_plugin": ["-m", "swift_plugin"],
 }
 

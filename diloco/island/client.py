@@ -46,6 +46,7 @@ import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,11 @@ class SyncClient:
         self._step = 0
         self._done = False
         # I/O thread only.
+        self._curve = config.client_curve()
+        self._nonce = 0
+        """Session nonce of the current connection (0 until WELCOME)."""
+        self._send_seq = 0
+        self._recv_seq = 0
         self._feedback = (quant.ErrorFeedback(config.wire_dtype, config.quant_block)
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
@@ -308,14 +314,19 @@ class SyncClient:
         sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())
         sock.setsockopt(zmq.SNDHWM, 64)
         sock.setsockopt(zmq.RCVHWM, 8)  # parts of tens of MiB: bound what zmq holds for us
+        # Like the syncer, refuse frames far above a part before zmq allocates them.
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_header_bytes + wire.Limits().max_chunk_bytes + (1 << 20))
+        if self._curve is not None:
+            secure_client(sock, self._curve)
         sock.connect(self._cfg.sync_addr)
+        self._nonce = self._send_seq = self._recv_seq = 0
         with self._lock:
             self._generation = gen
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=gen,
                            fingerprint=self._fingerprint, n_fragments=self._n_fragments,
                            wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts),
                            quant_block=self._cfg.quant_block if self._feedback is not None else 0)
-        sock.send_multipart(wire.encode(hello, key=self._cfg.key), copy=False)
+        sock.send_multipart(wire.encode(hello, key=self._cfg.key), copy=False)  # nonce 0, seq 0: opens a session
         log.info("island %d: HELLO to %s (generation %x)", self._cfg.island_id, self._cfg.sync_addr, gen)
         return sock
 
@@ -429,9 +440,15 @@ class SyncClient:
                 payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
-            return wire.seal(header, payload, key=self._cfg.key)
+            return self._seal(header, payload)
 
         return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
+
+    def _seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
+        """Frames of one message of this connection: session nonce and the next sequence number,
+        taken at send time (the I/O thread seals each message just before zmq gets it)."""
+        self._send_seq += 1
+        return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
 
     def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors, k: int) -> wire.Payload:
         """Part ``k`` of a push as block-quantized codes + bf16 scales, with error feedback: the
@@ -445,7 +462,7 @@ class SyncClient:
 
     def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
         """Send control messages at once, start queued streams, top up the stream window."""
-        while True:
+        while self._welcome is not None:  # a message before WELCOME has no session: it would be refused
             try:
                 ctl = self._control.get_nowait()
             except queue.Empty:
@@ -481,7 +498,7 @@ class SyncClient:
         self._streams = still
 
     def _send_control(self, sock: zmq.Socket, header: wire.Header, out: _Outgoing) -> None:
-        frames = wire.encode(header, key=self._cfg.key)
+        frames = self._seal(header)
         sock.send_multipart(frames, copy=False)
         self.stats.messages_sent += 1
         self._count_sent(0, sum(len(memoryview(f)) for f in frames))
@@ -522,23 +539,49 @@ class SyncClient:
             self.stats.data_bytes_recv += data
             self.stats.control_bytes_recv += total - data
 
+    def _refuse(self, what: str) -> bool:
+        self.stats.refused += 1
+        log.warning("island %d: refused %s", self._cfg.island_id, what)
+        return False
+
+    def _check_session(self, opened: wire.Opened) -> str | None:
+        """Why a message does not belong to this connection (None if it does); see docs/SECURITY.md.
+
+        Before WELCOME only the WELCOME answering our HELLO (it echoes our generation and opens
+        the session) and ERRORs to an unbound peer (nonce 0) are taken; after it, every message
+        carries the session nonce and a strictly increasing sequence number, except an ERROR of a
+        restarted syncer that no longer knows us (nonce 0, a rejoin code: we say HELLO again)."""
+        h = opened.header
+        if isinstance(h, wire.Welcome):
+            if self._nonce or h.generation != self._generation or not h.nonce or opened.nonce != h.nonce:
+                return f"a WELCOME of another connection (generation {h.generation:x}, session {self._nonce:x})"
+        elif opened.nonce == 0 and isinstance(h, wire.Error) and (not self._nonce or h.code in _REJOIN_CODES):
+            return None
+        elif not self._nonce or opened.nonce != self._nonce:
+            return f"{wire.kind_of(h)} with nonce {opened.nonce:x}, not this connection's {self._nonce:x}"
+        elif opened.seq <= self._recv_seq:
+            return f"{wire.kind_of(h)} with sequence number {opened.seq} <= {self._recv_seq} (a replay)"
+        self._recv_seq = opened.seq
+        return None
+
     def _handle(self, frames: list[zmq.Frame]) -> bool:
         try:
             opened = wire.open_message(frames, key=self._cfg.key)
         except wire.WireError as exc:
-            self.stats.refused += 1
-            log.warning("island %d: refused a message from the syncer: %s", self._cfg.island_id, exc.reason)
-            return False
+            return self._refuse(f"a message from the syncer: {exc.reason}")
+        except Exception as exc:  # noqa: BLE001 - a decoder gap is a refusal, never a dead I/O thread
+            return self._refuse(f"an undecodable message from the syncer: {type(exc).__name__}: {exc}")
+        problem = self._check_session(opened)
+        if problem:
+            return self._refuse(problem)
         h = opened.header
         if isinstance(h, (wire.Bcast, wire.Final)):
             try:
                 got = self._assemble(h, opened)
-            except wire.WireError as exc:
-                self.stats.refused += 1
+            except Exception as exc:  # noqa: BLE001 - WireError, or a decoder gap: refuse the part
                 self._assembling.pop((wire.kind_of(h), h.fragment), None)
-                log.warning("island %d: refused %s part %d of fragment %d: %s", self._cfg.island_id,
-                            wire.kind_of(h), h.part, h.fragment, exc.reason)
-                return False
+                reason = exc.reason if isinstance(exc, wire.WireError) else f"{type(exc).__name__}: {exc}"
+                return self._refuse(f"{wire.kind_of(h)} part {h.part} of fragment {h.fragment}: {reason}")
             if got is None:
                 return False
             h, tensors = got
@@ -628,6 +671,7 @@ class SyncClient:
                     self._feedback.reset_all()
             self._syncer_id = h.syncer_id
             self._part_elems = h.part_elems
+            self._nonce = h.nonce
             self._welcome = h
         self._wake.notify_all()
         return False

@@ -11,7 +11,7 @@ import math
 
 from diloco.syncer.records import TensorSpec
 
-__all__ = ["Refused", "check_schema"]
+__all__ = ["Dropped", "Refused", "check_schema"]
 
 
 class Refused(Exception):
@@ -26,6 +26,12 @@ class Refused(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+class Dropped(Refused):
+    """A refusal answered with nothing: replays and messages from a foreign routing id.
+
+    Telling a replayer why (or anything at all) would only help it; the log line stays."""
 
 
 MAX_NAME_CHARS = 1024

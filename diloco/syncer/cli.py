@@ -19,6 +19,7 @@ from types import FrameType
 
 from diloco.hostmem import set_malloc_thresholds
 from diloco.keys import read_key_file
+from diloco.security import ServerCurve
 from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.dataplane import default_threads
 from diloco.syncer.loop import LoopOptions, SyncerLoop
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N commits (0: final only)")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--key-file", default=None, help=f"file holding the shared HMAC key (else env {KEY_ENV})")
+    p.add_argument("--curve-secret-file", default=None,
+                   help="the syncer's CurveZMQ secret certificate (yeto-keys generate); needs --curve-clients-dir")
+    p.add_argument("--curve-clients-dir", default=None,
+                   help="directory of the admitted islands' public certificates (*.key); SIGHUP re-reads it")
+    p.add_argument("--insecure", action="store_true",
+                   help="run with neither Curve nor an HMAC key: anyone who reaches --bind can push deltas")
     p.add_argument("--weighting", default="tokens", choices=("tokens", "steps", "equal"),
                    help="merge weights: tokens (pushes must report tokens > 0), steps, or equal")
     p.add_argument("--dead-after-s", type=float, default=120.0, help="an island silent this long leaves the live set")
@@ -89,6 +96,30 @@ def _read_key(key_file: str | None) -> bytes:
     return os.environ.get(KEY_ENV, "").encode()
 
 
+def _curve(args: argparse.Namespace, key: bytes) -> ServerCurve | None:
+    """The transport security the flags ask for; None only with ``--insecure`` (and nothing else)."""
+    files = (args.curve_secret_file, args.curve_clients_dir)
+    if any(files) and not all(files):
+        raise ConfigError("--curve-secret-file and --curve-clients-dir: give both or neither")
+    if args.insecure:
+        if key or any(files):
+            raise ConfigError("--insecure: conflicts with --key-file / YETO_SYNC_KEY / --curve-* (drop one)")
+        return None
+    if all(files):
+        try:
+            curve = ServerCurve.from_files(args.curve_secret_file, args.curve_clients_dir)
+        except ValueError as e:
+            raise ConfigError(f"--curve-secret-file/--curve-clients-dir: {e}") from e
+        if not curve.allowed:
+            log.warning("--curve-clients-dir %s holds no certificate: no island can connect yet (SIGHUP re-reads "
+                        "it)", args.curve_clients_dir)
+        return curve
+    if key:
+        return ServerCurve.from_shared_key(key)
+    raise ConfigError(f"no security configured: give --curve-secret-file and --curve-clients-dir (CurveZMQ), "
+                      f"or --key-file / {KEY_ENV} (HMAC), or --insecure to run without either")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``yeto-syncer``; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
@@ -125,14 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.status_every_s > 0:
             raise ConfigError(f"--status-every-s: must be > 0, got {args.status_every_s}")
         key = _read_key(args.key_file)
+        curve = _curve(args, key)
     except ConfigError as e:
         log.error("bad configuration: %s", e)
         return EXIT_CONFIG
-    if not key:
-        log.warning(
-            "NO KEY SET (--key-file / %s): messages are UNAUTHENTICATED; anyone who can reach %s can push deltas",
-            KEY_ENV, args.bind,
-        )
+    if curve is None:
+        log.warning("--insecure: messages are UNAUTHENTICATED and UNENCRYPTED; anyone who can reach %s can push "
+                    "deltas or exhaust the syncer's memory", args.bind)
+    else:
+        log.info("transport: CurveZMQ, %s", f"{len(curve.allowed)} island keys from {curve.clients_dir}"
+                 if curve.clients_dir else "keys derived from the shared HMAC key")
     # Received parts are malloc'd and freed by libzmq at tens of MiB per second: keep such
     # blocks mapped-and-unmapped so transient buffers never stay resident (diloco.hostmem).
     set_malloc_thresholds(mmap_bytes=1 << 20, trim_bytes=64 << 20)
@@ -151,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
-                          data_threads=args.data_threads, window=args.stream_window)
+                          data_threads=args.data_threads, window=args.stream_window, curve=curve)
     try:
         loop = SyncerLoop(state, options, store)
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
@@ -164,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    if curve is not None and curve.clients_dir is not None:
+        signal.signal(signal.SIGHUP, lambda _s, _f: loop.reload_keys.set())
     # Tests and launchers read the real endpoint from here when zmq picked the port
     # (``--bind tcp://127.0.0.1:*``, or ``:0``: zmq accepts both).
     log.info("bound %s", loop.endpoint)

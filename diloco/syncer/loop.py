@@ -45,6 +45,7 @@ from typing import IO, Any
 
 import zmq
 
+from diloco.security import ServerAuth, ServerCurve
 from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
@@ -77,6 +78,7 @@ class LoopOptions:
         linger_ms: how long close() may spend flushing SHUTDOWN at exit.
         status_every_s: period of the one-line status log.
         event_log: path of the JSON-lines commit log (None: none).
+        curve: CurveZMQ keys and admitted island keys (None: plain TCP, ``--insecure``).
     """
 
     bind: str = "tcp://0.0.0.0:5555"
@@ -92,6 +94,7 @@ class LoopOptions:
     linger_ms: int = 2000
     status_every_s: float = 2.0
     event_log: str | None = None
+    curve: ServerCurve | None = None
 
 
 class _EncodedCache:
@@ -135,9 +138,17 @@ class SyncerLoop:
         self.store = store
         self.ctx = context or zmq.Context.instance()
         self.stop_event = threading.Event()
+        self.reload_keys = threading.Event()
+        """Set (by SIGHUP) to re-read the Curve certificates directory."""
         self.wire_refusals = 0
         self.dropped_sends = 0
         self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        # The ZAP handler runs before bind: an unlisted peer fails the Curve handshake, so
+        # zmq never buffers a frame of it (docs/SECURITY.md, "Bounded memory").
+        self.auth: ServerAuth | None = None
+        if options.curve is not None:
+            self.auth = ServerAuth(self.ctx, options.curve)
+            self.auth.secure(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, options.sndhwm)
         self.sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
@@ -221,6 +232,10 @@ class SyncerLoop:
             self.wire_refusals += 1
             log.warning("refused message from peer %s: %s", peer.hex(), e)
             return []
+        except Exception as e:  # noqa: BLE001 - a decoder gap must cost one message, never the syncer
+            self.wire_refusals += 1
+            log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
+            return []
         try:
             return self.state.handle(peer, opened, now)
         except Exception:
@@ -303,9 +318,15 @@ class SyncerLoop:
             else:
                 header = Final(fragment=o.fragment, version=o.version, n_fragments=state.n_fragments,
                                versions=o.versions, part=k, n_parts=n)
-            return seal(header, payload, key=key_bytes)
+            nonce, seq = state.stamp(o.peer)
+            return seal(header, payload, key=key_bytes, nonce=nonce, seq=seq)
 
         return Stream(n, frames_of, f"{o.kind} f{o.fragment} v{o.version}")
+
+    def _seal_control(self, o: Outgoing) -> list[Any]:
+        """Frames of a control message stamped with the peer's session (at send time)."""
+        nonce, seq = self.state.stamp(o.peer)
+        return encode(o.header, key=self.options.key, nonce=nonce, seq=seq)
 
     def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
         for o in outgoing:
@@ -314,13 +335,14 @@ class SyncerLoop:
                 if stream is not None:
                     self._pacer.add(o.peer, stream)
                 continue
-            frames = encode(o.header, key=self.options.key)
             behind = self._pacer.last_stream(o.peer) if isinstance(o.header, Pull) else None
             if behind is not None:
                 # A PULL follows every value already streaming to that island, so it is
                 # answered against the newest anchor; heartbeats and errors never wait.
-                behind.then.append(frames)
+                # Sealed when it is sent, so its sequence number follows the stream's.
+                behind.then.append(lambda o=o: self._seal_control(o))
                 continue
+            frames = self._seal_control(o)
             try:
                 self.sock.send_multipart([o.peer, *frames], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -361,6 +383,12 @@ class SyncerLoop:
                     self.state.checkpoint_due = True
                     self._checkpoint_if_due(wait=True)
                     return EXIT_INTERRUPTED
+                if self.reload_keys.is_set() and self.auth is not None:
+                    self.reload_keys.clear()
+                    try:
+                        self.auth.reload()
+                    except ValueError as e:
+                        log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
                 poller.poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()
@@ -424,3 +452,6 @@ class SyncerLoop:
             self._events = None
         if not self.sock.closed:
             self.sock.close()  # LINGER lets queued SHUTDOWN frames flush
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None

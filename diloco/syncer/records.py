@@ -54,6 +54,12 @@ class IslandRecord:
     final_acked: bool = False
     retired_generations: set[int] = field(default_factory=set)
     ledger: Ledger = field(default_factory=Ledger)
+    nonce: int = 0
+    """Session nonce of the current binding (WELCOME); every later message carries it."""
+    recv_seq: int = 0
+    """Sequence number of the last accepted message from the island (strictly increasing)."""
+    send_seq: int = 0
+    """Sequence number of the last message sealed for the island."""
 
 
 @dataclass

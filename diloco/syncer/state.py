@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from diloco.outer import OuterHyper, push_weight
-from diloco.syncer.checks import Refused, check_schema
+from diloco.syncer.checks import Dropped, Refused, check_schema
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.dataplane import CommitPart, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.records import (
@@ -106,6 +106,12 @@ class SyncerState:
         self.events: list[dict[str, Any]] = []
         self.work: list[Work] = []
         """Payload work for the data plane, drained by the loop."""
+        self.peers: dict[bytes, int] = {}
+        """Routing id -> island of every current binding (to stamp what we send)."""
+        self.hellos_seen: set[tuple[int, int]] = set()
+        """(island, generation) of every authenticated HELLO: a second one is a replay."""
+        self.dropped = 0
+        """Messages refused silently (replays, foreign routing ids)."""
         if snapshot is not None:
             self._restore(snapshot)
 
@@ -181,6 +187,12 @@ class SyncerState:
                 self._on_final_ack(peer, header, msg, now, out)
             else:
                 raise Refused("unexpected_kind", f"{type(header).__name__} is never sent to the syncer")
+        except Dropped as r:
+            self.refusals += 1
+            self.dropped += 1
+            log.warning("dropped %s claiming island %s (peer %s), nothing answered: %s: %s",
+                        type(header).__name__, getattr(header, "island", "?"), peer.hex(), r.code, r.reason)
+            return []
         except Refused as r:
             self.refusals += 1
             island = getattr(header, "island", "?")
@@ -225,6 +237,30 @@ class SyncerState:
 
     # ------------------------------------------------------------------ validation helpers
 
+    def stamp(self, peer: bytes) -> tuple[int, int]:
+        """(nonce, seq) for the next message sealed for ``peer``; (0, 0) for a peer we do not bind."""
+        island = self.peers.get(peer)
+        if island is None:
+            return 0, 0
+        rec = self.islands[island]
+        rec.send_seq += 1
+        return rec.nonce, rec.send_seq
+
+    def _session(self, island: int, generation: int, peer: bytes, msg: Opened) -> IslandRecord:
+        """The island's record if ``msg`` belongs to its current connection (replay protection).
+
+        Raises Dropped (nothing answered) for another routing id, a wrong nonce or a sequence
+        number that does not increase; the sequence number advances when the message is
+        accepted (:meth:`_touch`)."""
+        rec = self._bound_island(island, generation)
+        if peer != rec.peer:
+            raise Dropped("wrong_peer", f"island {island} is bound to peer {rec.peer.hex()}, not {peer.hex()}")
+        if msg.nonce != rec.nonce:
+            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
+        if msg.seq <= rec.recv_seq:
+            raise Dropped("replayed_seq", f"sequence number {msg.seq} <= {rec.recv_seq} (a replay)")
+        return rec
+
     def _bound_island(self, island: int, generation: int) -> IslandRecord:
         if not 0 <= island < self.config.islands:
             raise Refused("unknown_island", f"island {island} outside [0, {self.config.islands})")
@@ -237,9 +273,10 @@ class SyncerState:
             raise Refused("unknown_generation", f"generation {generation} is not island {island}'s current one")
         return rec
 
-    def _touch(self, rec: IslandRecord, peer: bytes, now: float) -> None:
+    def _touch(self, rec: IslandRecord, msg: Opened, now: float) -> None:
+        """An accepted message of the island's connection: alive, and its sequence number taken."""
         rec.last_seen = now
-        rec.peer = peer
+        rec.recv_seq = msg.seq
         if not rec.alive:
             rec.alive = True
             rec.cut_sent = False
@@ -276,6 +313,12 @@ class SyncerState:
             raise Refused("unknown_island", f"island {h.island} outside [0, {cfg.islands})")
         if h.generation < 0:
             raise Refused("bad_generation", f"generation {h.generation} < 0")
+        # A client says HELLO once per connection, under a fresh generation: a second HELLO of
+        # one generation is a replay, and the replayer gets nothing (not even an ERROR).
+        if (h.island, h.generation) in self.hellos_seen:
+            raise Dropped("replayed_hello", f"HELLO of island {h.island} generation {h.generation} seen before")
+        if msg.nonce or msg.seq:
+            raise Refused("bad_session", "HELLO opens a session: nonce and seq must be 0")
         if h.wire_dtype not in PUSH_DTYPES:
             raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {list(PUSH_DTYPES)}")
         if h.wire_dtype in QUANT_KINDS and h.quant_block != cfg.quant_block:
@@ -297,12 +340,11 @@ class SyncerState:
                 raise Refused("fragments_mismatch", f"n_fragments {h.n_fragments} != syncer's {self.n_fragments}")
         self._check_sizes(tuple(h.fragment_numel), h.n_fragments)
         rec = self.islands[h.island]
-        if h.generation in rec.retired_generations:
-            raise Refused("old_generation", f"generation {h.generation} of island {h.island} was replaced")
         if self.phase == "done":
             raise Refused("finished", "the syncer has finished")
 
         # --- accepted: mutate from here on
+        self.hellos_seen.add((h.island, h.generation))
         if self.fingerprint is None:
             self.fingerprint = h.fingerprint
             self.fragments = [FragmentRecord(index=f) for f in range(h.n_fragments)]
@@ -328,7 +370,11 @@ class SyncerState:
         # may have lost its copy; replays of one version are ignored client side.
         rec.cut_sent = False
         rec.last_seen = now
+        self.peers.pop(rec.peer, None)
         rec.peer = peer
+        self.peers[peer] = h.island
+        rec.nonce = random.getrandbits(63) or 1
+        rec.recv_seq = rec.send_seq = 0
         need_init = h.island == 0 and not self.initialised
         out.append(
             Outgoing(
@@ -341,12 +387,14 @@ class SyncerState:
                     sync_every=cfg.sync_every,
                     total_steps=cfg.total_steps,
                     part_elems=cfg.part_elems,
+                    generation=h.generation,
+                    nonce=rec.nonce,
                 ),
             )
         )
 
     def _on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
-        rec = self._bound_island(h.island, h.generation)
+        rec = self._session(h.island, h.generation, peer, msg)
         if h.island != 0:
             raise Refused("init_not_island0", f"INIT from island {h.island}; only island 0 initialises")
         if h.n_fragments != self.n_fragments:
@@ -383,7 +431,7 @@ class SyncerState:
         lo, _hi = layout.part_range(h.part, E)
         frag.init_next_part += 1
         self.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value, frag.momentum))
-        self._touch(rec, peer, now)
+        self._touch(rec, msg, now)
 
     def _on_init_copied(self, work: InitPart, result: Result, out: list[Out]) -> None:
         frag = self.fragments[work.fragment]
@@ -413,7 +461,7 @@ class SyncerState:
         self.pool.max_idle_bytes = largest
 
     def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
-        rec = self._bound_island(h.island, h.generation)
+        rec = self._session(h.island, h.generation, peer, msg)
         r = self.rounds.get(h.round)
         if r is None:
             state = "already committed" if h.round < self.next_commit else "not open"
@@ -474,7 +522,7 @@ class SyncerState:
                 weight=push_weight(h.local_steps, h.tokens, self.config.weighting), n_parts=h.n_parts,
             )
         push.last_part_at = now
-        self._touch(rec, peer, now)
+        self._touch(rec, msg, now)
         if h.n_parts == 0:
             self._maybe_start_grace(r, now)
             return
@@ -510,18 +558,18 @@ class SyncerState:
             r.grace_deadline = now + self.config.grace_ms / 1000.0
 
     def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:
-        rec = self._bound_island(h.island, h.generation)
+        rec = self._session(h.island, h.generation, peer, msg)
         if h.step < 0:
             raise Refused("bad_step", f"step {h.step} < 0")
         if msg.metas:
             raise Refused("unexpected_tensors", "HEARTBEAT carries no tensors")
         rec.last_step = h.step
         rec.done = h.done
-        self._touch(rec, peer, now)
+        self._touch(rec, msg, now)
         out.append(Outgoing(peer, Heartbeat(syncer_id=self.syncer_id)))
 
     def _on_final_ack(self, peer: bytes, h: FinalAck, msg: Opened, now: float, out: list[Out]) -> None:
-        rec = self._bound_island(h.island, h.generation)
+        rec = self._session(h.island, h.generation, peer, msg)
         if self.phase != "final":
             raise Refused("not_final", "no finalization in progress")
         if h.island not in self.final_expected:
@@ -529,7 +577,7 @@ class SyncerState:
         if tuple(h.versions) != self.versions():
             raise Refused("bad_versions", f"acked versions {list(h.versions)[:16]} != {list(self.versions())[:16]}")
         rec.final_acked = True
-        self._touch(rec, peer, now)
+        self._touch(rec, msg, now)
         if all(self.islands[i].final_acked for i in self.final_expected):
             log.info("every island acknowledged the final cut %s", list(self.versions()))
             self._finish(0, "training finished", out)

@@ -153,12 +153,18 @@ def encode_payload(
     return Payload(tuple(metas), tuple(chunk_frames), chunk_bytes, nbytes)
 
 
-def seal(header: Header, payload: Payload = EMPTY_PAYLOAD, *, key: bytes = b"") -> list[bytes | memoryview]:
-    """Frames of ``header`` plus an encoded payload: the envelope and its MAC (cheap)."""
+def seal(
+    header: Header, payload: Payload = EMPTY_PAYLOAD, *, key: bytes = b"", nonce: int = 0, seq: int = 0
+) -> list[bytes | memoryview]:
+    """Frames of ``header`` plus an encoded payload: the envelope and its MAC (cheap).
+
+    ``nonce``/``seq``: the connection's session nonce and this message's sequence number
+    (see :class:`Envelope`); seal at send time, so sequence numbers follow the send order."""
     if not isinstance(header, HEADER_TYPES):
         raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
     body = ENVELOPE_ENCODER.encode(
-        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=payload.chunk_bytes, tensors=payload.metas)
+        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=payload.chunk_bytes, tensors=payload.metas,
+                 nonce=nonce, seq=seq)
     )
     mac = hmac.digest(key, body, "sha256")
     return [mac, body, *payload.frames]
@@ -171,6 +177,8 @@ def encode(
     key: bytes = b"",
     wire_dtype: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    nonce: int = 0,
+    seq: int = 0,
 ) -> list[bytes | memoryview]:
     """Frames ready for ``socket.send_multipart(frames, copy=False)``.
 
@@ -197,7 +205,8 @@ def encode(
     """
     if not isinstance(header, HEADER_TYPES):
         raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
-    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes), key=key)
+    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes), key=key,
+                nonce=nonce, seq=seq)
 
 
 # --------------------------------------------------------------------------- decode
@@ -253,6 +262,8 @@ def _check_header(env: Envelope, limits: Limits) -> None:
         raise WireError(f"{len(env.tensors)} tensors, limit {limits.max_tensors}")
     if not 0 < env.chunk_bytes <= limits.max_chunk_bytes:
         raise WireError(f"chunk_bytes {env.chunk_bytes} outside [1, {limits.max_chunk_bytes}]")
+    if not (0 <= env.nonce < 2**63 and 0 <= env.seq < 2**63):
+        raise WireError(f"nonce {env.nonce} / seq {env.seq} outside [0, 2**63)")
 
 
 def _plan_tensors(env: Envelope, limits: Limits) -> list[_Planned]:
@@ -305,10 +316,15 @@ class Opened:
     does.
     """
 
-    __slots__ = ("header", "chunk_bytes", "metas", "nbytes", "_chunks", "_sizes")
+    __slots__ = ("header", "chunk_bytes", "metas", "nbytes", "nonce", "seq", "_chunks", "_sizes")
 
-    def __init__(self, header: Header, chunk_bytes: int, planned: list[_Planned], chunks: list[memoryview]) -> None:
+    def __init__(self, header: Header, chunk_bytes: int, planned: list[_Planned], chunks: list[memoryview],
+                 nonce: int = 0, seq: int = 0) -> None:
         self.header = header
+        self.nonce = nonce
+        """Session nonce from the envelope (under the MAC); the receiver checks it."""
+        self.seq = seq
+        """Per-connection sequence number from the envelope (under the MAC)."""
         self.chunk_bytes = chunk_bytes
         self.metas: tuple[TensorMeta, ...] = tuple(p.meta for p in planned)
         self._sizes = [p.nbytes for p in planned]
@@ -427,7 +443,7 @@ def open_message(
             if chunks[j].nbytes != want:
                 raise WireError(f"chunk {c} of {p.meta.name[:80]!r} is {chunks[j].nbytes} bytes, expected {want}")
             j += 1
-    return Opened(env.header, env.chunk_bytes, planned, chunks)
+    return Opened(env.header, env.chunk_bytes, planned, chunks, env.nonce, env.seq)
 
 
 def decode(

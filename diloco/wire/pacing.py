@@ -52,8 +52,9 @@ class Stream:
     ok: bool = False
     data_bytes: int = 0
     control_bytes: int = 0
-    then: list[list[Any]] = field(default_factory=list)
-    """Control messages that must follow this stream (sent right after its last part)."""
+    then: list[list[Any] | Callable[[], list[Any]]] = field(default_factory=list)
+    """Control messages that must follow this stream (sent right after its last part): frames,
+    or a callable sealing them at that moment (so sequence numbers follow the send order)."""
 
 
 class Pacer:
@@ -145,7 +146,7 @@ class Pacer:
                     queue.popleft()
                     for msg in stream.then:  # zmq keeps order: they follow the last part
                         try:
-                            self._send(dest, msg, False)
+                            self._send(dest, msg() if callable(msg) else msg, False)
                         except zmq.ZMQError as exc:
                             log.warning("dropped a message after %s: %s", stream.label, exc)
                     stream.then.clear()

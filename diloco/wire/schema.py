@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-PROTOCOL_VERSION: int = 2
-"""Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments)."""
+PROTOCOL_VERSION: int = 3
+"""Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments;
+3: session nonce and sequence number in the envelope, WELCOME echoes the generation)."""
 
 DEFAULT_PART_ELEMS: int = 8 << 20
 """Elements per part of a fragment stream (32 MiB of fp32): the syncer's ``--part-mib`` sets it
@@ -158,6 +159,11 @@ class Welcome(_HeaderBase, tag="WELCOME"):
     total_steps: int
     part_elems: int = DEFAULT_PART_ELEMS
     """Elements per part of every fragment stream (see ``diloco.wire.parts``)."""
+    generation: int = 0
+    """The generation of the HELLO this answers: a WELCOME of another connection is refused."""
+    nonce: int = 0
+    """The session nonce: every later message of this connection, both ways, carries it (and an
+    increasing sequence number) in its envelope, under the MAC (see docs/SECURITY.md)."""
 
 
 class Init(_HeaderBase, tag="INIT"):
@@ -269,12 +275,20 @@ HEADER_TYPES: tuple[type, ...] = (
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What frame 1 holds: the header plus everything needed to size the payload."""
+    """What frame 1 holds: the header plus everything needed to size the payload.
+
+    ``nonce`` and ``seq`` bind a message to one connection and one place in it: the session
+    nonce from WELCOME (0 on HELLO, on WELCOME itself it is the new nonce, and on replies to
+    an unbound peer) and a per-connection sequence number that strictly increases in each
+    direction.  Both are under the MAC, so a captured message cannot be replayed elsewhere or
+    later (see docs/SECURITY.md)."""
 
     protocol: int
     header: Header
     chunk_bytes: int
     tensors: tuple[TensorMeta, ...]
+    nonce: int = 0
+    seq: int = 0
 
 
 class VersionProbe(msgspec.Struct):

@@ -283,15 +283,16 @@ def test_bad_shapes_dtypes_counts_and_names() -> None:
 
 
 def test_wrong_protocol_version() -> None:
-    hello = wire.Hello(protocol=3, island=0, generation=1, fingerprint="f", n_fragments=1, wire_dtype="float32")
-    _refused(wire.encode(hello, key=KEY), "HELLO declares protocol 3, expected 2", key=KEY)
+    v = wire.PROTOCOL_VERSION
+    hello = wire.Hello(protocol=v + 1, island=0, generation=1, fingerprint="f", n_fragments=1, wire_dtype="float32")
+    _refused(wire.encode(hello, key=KEY), f"HELLO declares protocol {v + 1}, expected {v}", key=KEY)
     welcome = wire.Welcome(protocol=0, syncer_id=1, need_init=False, versions=(), sync_every=1, total_steps=0)
     _refused(wire.encode(welcome, key=KEY), "WELCOME declares protocol 0", key=KEY)
     env = Envelope(protocol=7, header=wire.Pull(0, 1, 0), chunk_bytes=16, tensors=())
-    _refused(_forge(ENVELOPE_ENCODER.encode(env)), "protocol version 7, expected 2", key=KEY)
+    _refused(_forge(ENVELOPE_ENCODER.encode(env)), f"protocol version 7, expected {v}", key=KEY)
     # A future envelope of another shape still gets a version reason, not a field error.
-    future = msgspec.msgpack.encode({"protocol": 3, "frames": [1, 2, 3]})
-    _refused(_forge(future), "protocol version 3, expected 2", key=KEY)
+    future = msgspec.msgpack.encode({"protocol": v + 1, "frames": [1, 2, 3]})
+    _refused(_forge(future), f"protocol version {v + 1}, expected {v}", key=KEY)
 
 
 def _raw_envelope(header: dict, tensors: list | None = None, **extra) -> bytes:
@@ -315,7 +316,7 @@ def test_wrong_field_types_unknown_kind_and_unknown_fields() -> None:
     _refused(_forge(_raw_envelope({**good, "extra": 1})), "unknown field `extra`", key=KEY)
     _refused(_forge(_raw_envelope(good, sneaky=1)), "unknown field `sneaky`", key=KEY)
     _refused(_forge(_raw_envelope(good, tensors=[["t", "float32", ["4"], [0]]])), "malformed header", key=KEY)
-    hello = {"kind": "HELLO", "protocol": 2, "island": 0, "generation": 1, "fingerprint": "f",
+    hello = {"kind": "HELLO", "protocol": wire.PROTOCOL_VERSION, "island": 0, "generation": 1, "fingerprint": "f",
              "n_fragments": 1, "wire_dtype": "float16"}
     _refused(_forge(_raw_envelope(hello)), "HELLO wire_dtype 'float16'", key=KEY)
 

@@ -50,7 +50,8 @@ class Syncer:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.log_path = tmp / "syncer.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*",
+                                      "--insecure", *args],
                                      stderr=self._log, stdout=subprocess.DEVNULL, env=_env(), cwd=tmp)
         deadline = time.monotonic() + 90
         while not (m := re.search(r"bound (tcp://\S+)", self.log_path.read_text())):

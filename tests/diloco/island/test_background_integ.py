@@ -76,6 +76,7 @@ class Scripted(threading.Thread):
         self.step = 0
         self.error: BaseException | None = None
         self.stop = threading.Event()
+        self.nonce, self.seq = 0, 0  # the session WELCOME opens (docs/SECURITY.md)
 
     def run(self) -> None:
         try:
@@ -98,8 +99,10 @@ class Scripted(threading.Thread):
             h = msg.header
             if isinstance(h, wire.Hello):
                 peer = p.bytes
+                self.nonce, self.seq = self.nonce + 1, 0
                 self._send(peer, wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=1, need_init=False,
-                                              versions=(0,) * N_FRAGMENTS, sync_every=4, total_steps=0))
+                                              versions=(0,) * N_FRAGMENTS, sync_every=4, total_steps=0,
+                                              generation=h.generation, nonce=self.nonce))
                 params = dict(model.named_parameters())
                 for f in range(N_FRAGMENTS):
                     self._send(peer, wire.Bcast(fragment=f, version=0, round=0, cut=True),
@@ -121,7 +124,8 @@ class Scripted(threading.Thread):
     def _send(self, peer: bytes, header: wire.Header, tensors: list | None = None) -> None:
         # Fragments are small here: each travels as one part of flat segments (diloco/wire/parts.py).
         flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.sock.send_multipart([peer, *wire.encode(header, flat)], copy=False)
+        self.seq += 1
+        self.sock.send_multipart([peer, *wire.encode(header, flat, nonce=self.nonce, seq=self.seq)], copy=False)
 
 
 def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_rank: int, record: bool) -> dict:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -11,6 +13,7 @@ import zmq
 from diloco import wire
 from diloco.config import IslandConfig
 from diloco.island.client import SyncClient, SyncError
+from diloco.security import ServerAuth, ServerCurve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,15 +21,22 @@ KEY = b"client-test-key"
 
 
 class ScriptedSyncer:
-    """A ROUTER socket the test drives by hand: it records what islands send."""
+    """A ROUTER socket the test drives by hand: it records what islands send.
+
+    It speaks HMAC mode as the real syncer does: Curve keys derived from KEY, a ZAP handler,
+    and a session (nonce, sequence numbers) opened by each WELCOME."""
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.auth = ServerAuth(self.ctx, ServerCurve.from_shared_key(KEY))
+        self.auth.secure(self.sock)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.addr = f"tcp://127.0.0.1:{port}"
         self.peer: bytes | None = None
+        self.nonce = 0
+        self.seq = 0
 
     def recv(self, kind: type, timeout_s: float = 10.0) -> wire.Message:
         """Next message of ``kind`` (others, e.g. heartbeats, are skipped)."""
@@ -44,16 +54,25 @@ class ScriptedSyncer:
         assert self.peer is not None
         # Fragment values travel as parts: here each fits one part of flat segments.
         flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.sock.send_multipart([self.peer, *wire.encode(header, flat, key=KEY)], copy=False)
+        self.sock.send_multipart([self.peer, *self.frames(header, flat)], copy=False)
+
+    def frames(self, header: wire.Header, flat: list | None = None, **stamp: int) -> list:
+        """The frames of one message of the current session (``nonce=``/``seq=`` override the stamp)."""
+        self.seq += 1
+        kw = {"nonce": self.nonce, "seq": self.seq, **stamp}
+        return wire.encode(header, flat or [], key=KEY, **kw)
 
     def welcome(self, syncer_id: int = 7, n: int = 2) -> wire.Hello:
         hello = self.recv(wire.Hello).header
+        self.nonce, self.seq = 1000 + syncer_id, 0
         self.send(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id, need_init=False,
-                               versions=(0,) * n, sync_every=10, total_steps=0))
+                               versions=(0,) * n, sync_every=10, total_steps=0, generation=hello.generation,
+                               nonce=self.nonce))
         return hello
 
     def close(self) -> None:
         self.sock.close()
+        self.auth.stop()
         self.ctx.term()
 
 
@@ -226,3 +245,80 @@ def test_push_dropped_when_queue_full() -> None:
         assert client.stats.pushes_dropped == results.count(None)
     finally:
         client.close(linger_s=0.1)
+
+
+def test_client_refuses_a_hostile_syncer_and_keeps_serving(syncer: ScriptedSyncer) -> None:
+    """Malformed, tampered, replayed and foreign-session messages are refused one log line each;
+    the I/O thread survives, nothing of them is applied, and valid traffic still flows."""
+    client = _client(syncer.addr)
+    try:
+        hello = syncer.welcome()
+        client.wait_welcome(5)
+        good = wire.Bcast(fragment=0, version=1, round=1, cut=False)
+        ones = [("w", torch.ones(3))]
+        valid = syncer.frames(good, ones)
+        flipped = list(valid)
+        chunk = bytearray(bytes(memoryview(flipped[2])))
+        chunk[1] ^= 0x10
+        flipped[2] = bytes(chunk)  # payload bit: header MAC holds, digest does not
+        huge = wire.encode(wire.Bcast(fragment=0, version=1, round=1, cut=False), [], key=KEY,
+                           nonce=syncer.nonce, seq=syncer.seq + 100)
+        env = msgspec.msgpack.decode(bytes(memoryview(huge[1])))
+        env["tensors"] = [["w", "float32", [0, 2**63], []]]  # declares 0 bytes, absurd dims
+        body = msgspec.msgpack.encode(env)
+        huge = [hmac.digest(KEY, body, "sha256"), body]
+        hostile = [
+            [b"garbage"],
+            [b"\x00" * 32, b"\xc1\xc1"],
+            flipped,
+            huge,
+            syncer.frames(wire.Bcast(fragment=0, version=1, round=1, cut=False), [("w", torch.ones(4))]),  # shape
+            syncer.frames(wire.Bcast(fragment=9, version=1, round=1, cut=False), ones),  # fragment outside plan
+            syncer.frames(good, ones, nonce=syncer.nonce + 1),  # another session
+            syncer.frames(good, ones, nonce=0),  # no session
+            syncer.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=7, need_init=False,
+                                       versions=(0, 0), sync_every=10, total_steps=0,
+                                       generation=hello.generation, nonce=5), nonce=5),  # a second WELCOME
+            valid,  # its sequence number is that of ``flipped``, which was taken: a replay now
+        ]
+        for frames in hostile:
+            syncer.sock.send_multipart([syncer.peer, *frames], copy=False)
+        syncer.sock.send_multipart([syncer.peer, *valid], copy=False)  # a replay: stale sequence number
+        _wait(lambda: client.stats.refused >= len(hostile) + 1)
+        time.sleep(0.2)
+        assert client.stats.refused == len(hostile) + 1
+        assert client.take_bcasts() == []  # none of it was applied
+        # The client keeps serving: a valid BCAST is taken, a PULL answered, heartbeats flow.
+        syncer.send(wire.Bcast(fragment=0, version=2, round=2, cut=False), [("w", torch.full((3,), 2.0))])
+        syncer.send(wire.Pull(fragment=1, round=2, attempt=0))
+        _wait(lambda: client.stats.messages_recv >= len(hostile) + 4)  # + WELCOME, the replay, 2 more
+        got = client.take_bcasts()
+        assert [(b.fragment, b.version) for b in got] == [(0, 2)]
+        assert torch.equal(got[0].tensors[0][1], torch.full((3,), 2.0))
+        pulls = client.take_ready_pulls()
+        assert [(p.fragment, p.round) for p in pulls] == [(1, 2)]
+        assert client.push(pulls[0], 0, 1, 10, [("w", torch.zeros(3))])
+        push = syncer.recv(wire.Push)
+        assert push.header.generation == hello.generation
+    finally:
+        client.close()
+
+
+def test_client_messages_carry_the_session(syncer: ScriptedSyncer) -> None:
+    """Every message after HELLO carries WELCOME's nonce and an increasing sequence number."""
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+        client.report_step(3)
+        seen = []
+        deadline = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < deadline:
+            if syncer.sock.poll(100):
+                _peer, *frames = syncer.sock.recv_multipart(copy=False)
+                opened = wire.open_message(frames, key=KEY)
+                seen.append((opened.nonce, opened.seq))
+        assert len(seen) == 3 and {n for n, _ in seen} == {syncer.nonce}
+        assert [q for _, q in seen] == sorted({q for _, q in seen}) and seen[0][1] >= 1
+    finally:
+        client.close()

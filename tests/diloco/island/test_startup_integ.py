@@ -55,6 +55,7 @@ class ScriptedSyncer(threading.Thread):
         self.steps: list[int] = []
         self.error: BaseException | None = None
         self.stop = threading.Event()
+        self.nonce, self.seq = 0, 0  # the session WELCOME opens (docs/SECURITY.md)
 
     def run(self) -> None:
         try:
@@ -75,15 +76,18 @@ class ScriptedSyncer(threading.Thread):
     def _send(self, peer: bytes, header: wire.Header, tensors: list | None = None) -> None:
         # Fragments are small here: each travels as one part of flat segments.
         flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.sock.send_multipart([peer, *wire.encode(header, flat)], copy=False)
+        self.seq += 1
+        self.sock.send_multipart([peer, *wire.encode(header, flat, nonce=self.nonce, seq=self.seq)], copy=False)
 
     def _script(self) -> None:
         got = self._recv()
         assert got is not None
         peer, msg = got
         assert isinstance(msg.header, wire.Hello)
+        self.nonce = 99
         self._send(peer, wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=1, need_init=True,
-                                      versions=(0,) * N_FRAGMENTS, sync_every=4, total_steps=0))
+                                      versions=(0,) * N_FRAGMENTS, sync_every=4, total_steps=0,
+                                      generation=msg.header.generation, nonce=self.nonce))
         while len(self.init) < N_FRAGMENTS:
             time.sleep(self.read_delay_s)  # a slow link: the island must not run ahead
             got = self._recv()

@@ -25,15 +25,15 @@ from diloco.syncer.config import SyncerConfig
 from diloco.syncer.dataplane import run_work
 from diloco.syncer.records import Outgoing, OutStream, Snapshot
 from diloco.syncer.state import SyncerState
-from diloco.wire import DEFAULT_CHUNK_BYTES, Error, FragmentLayout, Init, Opened, Push, encode, open_message
+from diloco.wire import DEFAULT_CHUNK_BYTES, Error, FragmentLayout, Hello, Init, Opened, Push, Welcome, encode, open_message
 
 Tensors = Sequence[tuple[str, torch.Tensor]]
 Out = Outgoing | OutStream
 
 
-def opened(header: Any, tensors: Tensors = ()) -> Any:
+def opened(header: Any, tensors: Tensors = (), nonce: int = 0, seq: int = 0) -> Any:
     """One message through the real codec: what the loop hands to ``state.handle``."""
-    return open_message(encode(header, list(tensors)))
+    return open_message(encode(header, list(tensors), nonce=nonce, seq=seq))
 
 
 def unchecked(header: Any) -> Opened:
@@ -85,15 +85,35 @@ class Driver:
     def __init__(self, config: SyncerConfig, *, syncer_id: int = 7, snapshot: Snapshot | None = None) -> None:
         self.st = SyncerState(config, syncer_id=syncer_id, snapshot=snapshot)
         self.E = config.part_elems
+        self.nonces: dict[bytes, int] = {}
+        self.seqs: dict[bytes, int] = {}
 
     def send(self, peer: bytes, header: Any, tensors: Tensors = (), now: float = 0.0, *, run: bool = True) -> list[Out]:
-        out = self.st.handle(peer, opened(header, tensors), now)
+        """Send as the island on ``peer`` would: stamped with that peer's session (HELLO: none)."""
+        if isinstance(header, Hello):
+            message = opened(header, tensors)
+        else:
+            message = opened(header, tensors, *self.stamp(peer))
+        out = self.st.handle(peer, message, now)
+        self._learn(out)
         if run:
             out += self.run(now)
         return out
 
+    def stamp(self, peer: bytes) -> tuple[int, int]:
+        """(nonce, next seq) of the session the state opened for ``peer`` (0, 1.. if none)."""
+        self.seqs[peer] = self.seqs.get(peer, 0) + 1
+        return self.nonces.get(peer, 0), self.seqs[peer]
+
+    def _learn(self, out: Sequence[Out]) -> None:
+        for o in out:
+            if isinstance(o, Outgoing) and isinstance(o.header, Welcome):
+                self.nonces[o.peer] = o.header.nonce
+
     def handle(self, peer: bytes, message: Opened, now: float = 0.0) -> list[Out]:
-        return self.st.handle(peer, message, now) + self.run(now)
+        out = self.st.handle(peer, message, now)
+        self._learn(out)
+        return out + self.run(now)
 
     def send_all(self, peer: bytes, msgs: Sequence[tuple[Any, Tensors]], now: float = 0.0) -> list[Out]:
         out: list[Out] = []

@@ -17,6 +17,7 @@ import zmq
 
 import msgspec
 
+from diloco.security import ClientCurve, secure_client
 from diloco.wire import (DEFAULT_PART_ELEMS, Bcast, Final, FragmentLayout, Heartbeat, Init, Message, Opened, Push,
                          Welcome, encode, open_message)
 
@@ -28,6 +29,8 @@ class SyncerProc:
 
     def __init__(self, tmp: Path, args: Sequence[str]) -> None:
         self.log_path = tmp / "syncer.log"
+        if not any(a in args for a in ("--key-file", "--curve-secret-file", "--insecure")):
+            args = [*args, "--insecure"]
         env = {k: v for k, v in os.environ.items() if k != "YETO_SYNC_KEY"}
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env["OMP_NUM_THREADS"] = "1"
@@ -69,7 +72,8 @@ class Island:
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, island: int, *, key: bytes = b"",
                  wire_dtype: str = "float32", generation: int | None = None,
-                 schema: Sequence[Sequence[tuple[str, tuple[int, ...]]]] | None = None) -> None:
+                 schema: Sequence[Sequence[tuple[str, tuple[int, ...]]]] | None = None,
+                 curve: ClientCurve | None = None) -> None:
         self.island = island
         self.key = key
         self.wire_dtype = wire_dtype
@@ -79,9 +83,29 @@ class Island:
         self.parts_sent = 0
         self._assembling: dict[tuple[str, int], list[Opened]] = {}
         self._stash: list[Message] = []
+        self.nonce = 0
+        """Session nonce from WELCOME; every later message carries it and the next ``seq``."""
+        self.seq = 0
+        self.sent: list[list[bytes]] = []
+        """Every message sent, as bytes (for replay tests)."""
+        self.received: list[list[bytes]] = []
+        """Every message received, as bytes (for replay tests)."""
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is None and key:
+            curve = ClientCurve.from_shared_key(key)  # HMAC mode: Curve keys derived from the key
+        if curve is not None:
+            secure_client(self.sock, curve)
         self.sock.connect(endpoint)
+
+    def stamp(self) -> dict[str, int]:
+        """nonce/seq for the next message (HELLO opens the session: nonce 0)."""
+        self.seq += 1
+        return {"nonce": self.nonce, "seq": self.seq if self.nonce else 0}
+
+    def _send_frames(self, frames: list[Any]) -> None:
+        self.sent.append([bytes(memoryview(f)) for f in frames])
+        self.sock.send_multipart(frames, copy=False)
 
     def send(self, header: Any, tensors: Sequence[tuple[str, torch.Tensor]] = (), *,
              wire_dtype: str | None = None, key: bytes | None = None) -> None:
@@ -91,10 +115,10 @@ class Island:
             header, tensors = msgspec.structs.replace(header, n_parts=0), ()
         if isinstance(header, (Init, Push)) and tensors and self.layouts is not None:
             for frames in self.part_frames(header, tensors, key=k, wire_dtype=wire_dtype):
-                self.sock.send_multipart(frames, copy=False)
+                self._send_frames(frames)
             return
-        frames = encode(header, tensors, key=k, wire_dtype=wire_dtype)
-        self.sock.send_multipart(frames, copy=False)
+        frames = encode(header, tensors, key=k, wire_dtype=wire_dtype, **self.stamp())
+        self._send_frames(frames)
 
     def part_frames(self, header: Any, tensors: Sequence[tuple[str, torch.Tensor]], *, key: bytes,
                     wire_dtype: str | None = None) -> list[list[Any]]:
@@ -109,7 +133,7 @@ class Island:
                 extra["schema"] = tuple(zip(layout.names, layout.shapes)) if p == 0 else ()
             h = msgspec.structs.replace(header, **extra)
             seg = layout.slice_part(list(tensors), p, self.part_elems)
-            out.append(encode(h, seg, key=key, wire_dtype=wire_dtype))
+            out.append(encode(h, seg, key=key, wire_dtype=wire_dtype, **self.stamp()))
             self.parts_sent += 1
         return out
 
@@ -123,12 +147,15 @@ class Island:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 raise TimeoutError(f"island {self.island}: nothing from the syncer in {timeout_s}s")
-            opened = open_message(self.sock.recv_multipart(copy=False), key=self.key)
+            frames = self.sock.recv_multipart(copy=False)
+            self.received.append([f.bytes for f in frames])
+            opened = open_message(frames, key=self.key)
             h = opened.header
             if isinstance(h, Heartbeat):
                 continue
             if isinstance(h, Welcome):
                 self.part_elems = h.part_elems
+                self.nonce = h.nonce
             if isinstance(h, (Bcast, Final)) and self.layouts is not None:
                 got = self._assemble(h, opened)
                 if got is None:

@@ -276,9 +276,10 @@ def test_refused_part_voids_the_attempt_and_repulls(fault: str, caplog) -> None:
     if fault == "nan":
         segs = [(n, t.clone()) for n, t in segs]
         segs[-1][1][-1] = float("nan")
-        msg = open_message(encode(header, segs))
+        msg = open_message(encode(header, segs, nonce=d.stamp(peer(1))[0], seq=d.stamp(peer(1))[1]))
     else:  # a flipped payload byte: the header's MAC holds, the chunk digest does not
-        frames = encode(header, segs)
+        nonce, seq = d.stamp(peer(1))
+        frames = encode(header, segs, nonce=nonce, seq=seq)
         raw = bytearray(frames[2])
         raw[5] ^= 0x40
         msg = open_message([frames[0], frames[1], bytes(raw), *frames[3:]])

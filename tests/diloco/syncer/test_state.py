@@ -152,7 +152,9 @@ def test_init_only_from_island0_once_then_cut_to_everyone() -> None:
     out = d2.send(peer(1), hello(1, 999), now=1.0)
     assert kinds(out) == ["Welcome", "BCAST", "BCAST"]
     assert errors(d2.send(peer(1), hb(1, 0), now=1.0)) == ["old_generation"]
-    assert errors(d2.send(peer(1), hello(1, GEN[1]), now=1.0)) == ["old_generation"]
+    # A replayed HELLO of a replaced generation gets nothing at all, and changes nothing.
+    assert d2.send(peer(1) + b"r", hello(1, GEN[1]), now=1.0) == []
+    assert d2.st.islands[1].generation == 999 and d2.st.islands[1].peer == peer(1)
 
 
 def test_init_parts_in_order_and_a_restart_from_part_0() -> None:
@@ -365,17 +367,18 @@ def test_dead_island_leaves_live_set_and_reconnect_gets_pull_again() -> None:
     out = d.send(peer(1) + b"x", hello(1, 201), now=2.0)
     assert kinds(out) == ["Welcome", "BCAST", "BCAST", "Pull"]
     assert out[-1].header == Pull(fragment=0, round=1, attempt=0) and out[-1].peer == peer(1) + b"x"
-    assert d.send_all(peer(1), pushes(1, 1, 0, gen=201), now=2.0) == []
+    assert d.send_all(peer(1) + b"x", pushes(1, 1, 0, gen=201), now=2.0) == []
     # Past the quorum timeout the attempt is re-pulled from all live islands (island 1's push dropped).
-    for i, g in ((0, GEN[0]), (1, 201)):
-        d.send(peer(i), hb(i, 3, gen=g), now=12.0)
+    for p, i, g in ((peer(0), 0, GEN[0]), (peer(1) + b"x", 1, 201)):
+        d.send(p, hb(i, 3, gen=g), now=12.0)
     r = d.st.rounds[1]
     assert sorted(r.members) == [0, 1, 2] and r.attempt == 1 and not r.pushes
     # Island 2 stays silent: declared dead, and the next attempt freezes only the live ones.
     out = d.tick(35.0)
     assert [i.island for i in d.st.live()] == [0, 1]
     assert sorted(d.st.rounds[1].members) == [0, 1] and d.st.rounds[1].attempt == 2
-    assert sorted(o.peer for o in of(out, Pull)) == [peer(0), peer(1)]  # heartbeats re-route
+    # Pulls go to the routing id of each island's current connection.
+    assert sorted(o.peer for o in of(out, Pull)) == [peer(0), peer(1) + b"x"]
     # A dead island that speaks again is live again and gets a fresh cut.
     out = d.send(peer(2), hb(2, 3), now=42.0)
     assert len(streams(out)) == 2 and all(o.cut for o in streams(out)) and d.st.islands[2].alive

@@ -21,6 +21,11 @@ pytestmark = pytest.mark.timeout(60)
         (["--islands", "2", "--grace-ms", "-1"], "--grace-ms"),
         (["--islands", "2", "--resume"], "--resume"),
         (["--islands", "2", "--key-file", "/nonexistent/key"], "--key-file"),
+        (["--islands", "2"], "--insecure"),  # neither Curve nor HMAC: refused, naming the flags
+        (["--islands", "2", "--curve-secret-file", "/nonexistent"], "--curve-clients-dir"),
+        (["--islands", "2", "--curve-secret-file", "/nonexistent", "--curve-clients-dir", "/tmp"],
+         "--curve-secret-file"),
+        (["--islands", "2", "--insecure", "--curve-secret-file", "x", "--curve-clients-dir", "/tmp"], "--insecure"),
     ],
 )
 def test_bad_flag_exits_2_naming_it(argv: list[str], flag: str, caplog) -> None:
@@ -31,5 +36,13 @@ def test_bad_flag_exits_2_naming_it(argv: list[str], flag: str, caplog) -> None:
 
 def test_resume_without_checkpoint_fails(tmp_path, caplog) -> None:
     with caplog.at_level(logging.ERROR):
-        assert main(["--islands", "1", "--resume", "--checkpoint-dir", str(tmp_path)]) == EXIT_CONFIG
+        assert main(["--islands", "1", "--insecure", "--resume", "--checkpoint-dir", str(tmp_path)]) == EXIT_CONFIG
     assert "no complete checkpoint" in caplog.text
+
+
+def test_no_security_names_every_option(caplog, monkeypatch) -> None:
+    monkeypatch.delenv("YETO_SYNC_KEY", raising=False)
+    with caplog.at_level(logging.ERROR):
+        assert main(["--bind", "tcp://127.0.0.1:*", "--islands", "1"]) == EXIT_CONFIG
+    for flag in ("--curve-secret-file", "--curve-clients-dir", "--key-file", "--insecure"):
+        assert flag in caplog.text

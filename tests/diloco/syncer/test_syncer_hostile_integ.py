@@ -108,12 +108,12 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
             (push_header(b, tokens=0, **one), flat_b, "bad_counts"),  # token weighting needs tokens
         ]
         for h, ts, _code in structural:
-            b.sock.send_multipart(encode(h, ts, key=KEY), copy=False)
-        frames = encode(push_header(b, **one), flat_b, key=KEY)
+            b.sock.send_multipart(encode(h, ts, key=KEY, **b.stamp()), copy=False)
+        frames = encode(push_header(b, **one), flat_b, key=KEY, **b.stamp())
         b.send_raw([bytes(x) for x in frames[:-1]] + [bytes(frames[-1])[:-3]])  # truncated last chunk
         wait_log(syncer, r"expected 16")
         # A declaration larger than one part is refused before anything is allocated.
-        huge = encode(push_header(b, **one), [("w", torch.zeros(1 << 20))], key=KEY)
+        huge = encode(push_header(b, **one), [("w", torch.zeros(1 << 20))], key=KEY, **b.stamp())
         b.send_raw([bytes(huge[0]), bytes(huge[1])])
         wait_log(syncer, r"dimension above 16384 in shape \(1048576,\)")
         assert [b.expect(Error).header.code for _ in structural] == [code for _h, _ts, code in structural]
@@ -122,7 +122,7 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         # A NaN (or Inf) in a part is caught by the data plane: the part is folded into nothing,
         # but the attempt is dropped (earlier parts could not be taken out again) and re-pulled.
         nan = [("w", torch.full((24,), float("nan"))), ("b", torch.zeros(4))]
-        b.sock.send_multipart(encode(push_header(b, **one), nan, key=KEY), copy=False)
+        b.sock.send_multipart(encode(push_header(b, **one), nan, key=KEY, **b.stamp()), copy=False)
         assert b.expect(Error).header.code == "bad_push"
         wait_log(syncer, r"holds NaN or Inf")
         for isl in (a, b):
