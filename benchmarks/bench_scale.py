@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--data-threads", type=int, default=0, help="syncer --data-threads (0: its default)")
+    ap.add_argument("--insecure", action="store_true", help="no key: plain TCP (the syncer's --insecure)")
     ap.add_argument("--syncer-args", default="", help="more syncer flags, e.g. '--part-mib 16 --stream-window 1'")
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         pinger_main(sys.argv[3:])
@@ -229,7 +230,9 @@ def main() -> None:
     print(f"bare zmq: one island up+down {wire_init:.3f}s, two islands up+down {wire_round:.3f}s")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    key = b"bench-scale-key"
+    # HMAC mode (the default a user gets with a shared key: key-derived CurveZMQ transport,
+    # see docs/SECURITY.md), or --insecure (plain TCP, closed test networks only).
+    key = b"" if args.insecure else b"bench-scale-key"
     env = dict(os.environ, PYTHONPATH=str(REPO), YETO_SYNC_KEY=key.decode())
     cmd = [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:0", "--islands", "3", "--quorum", "2",
            "--grace-ms", "0", "--sync-every", "1", "--total-steps", str(args.rounds), "--checkpoint-every", "0",
@@ -237,7 +240,7 @@ def main() -> None:
            "--event-log", str(tmp / "events.jsonl")]
     if args.data_threads:
         cmd += ["--data-threads", str(args.data_threads)]
-    cmd += args.syncer_args.split()
+    cmd += args.syncer_args.split() + (["--insecure"] if args.insecure else [])
     log_f = open(tmp / "syncer.log", "w")
     syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
     try:
@@ -339,6 +342,7 @@ def main() -> None:
         "fragment_gib": round(nbytes / 2**30, 3),
         "cpus": os.cpu_count(),
         "syncer_args": args.syncer_args,
+        "mode": "insecure" if args.insecure else "hmac",
     }
     print(f"syncer log: {tmp / 'syncer.log'}")
     print(json.dumps(out))

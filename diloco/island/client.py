@@ -161,6 +161,7 @@ class SyncClient:
         self._done = False
         # I/O thread only.
         self._curve = config.client_curve()
+        self._seed = wire.digest_seed(config.key)
         self._nonce = 0
         """Session nonce of the current connection (0 until WELCOME)."""
         self._send_seq = 0
@@ -437,7 +438,8 @@ class SyncClient:
             if isinstance(out.header, wire.Push) and self._feedback is not None:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
             else:
-                payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype)
+                payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype,
+                                              seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             return self._seal(header, payload)
@@ -458,7 +460,7 @@ class SyncClient:
         segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
         flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
         codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
-        return wire.encode_payload([("codes", codes), ("scales", scales)])
+        return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed)
 
     def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
         """Send control messages at once, start queued streams, top up the stream window."""

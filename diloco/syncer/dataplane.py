@@ -117,6 +117,8 @@ class CommitPart:
     part_elems: int
     encode_dtypes: tuple[str, ...]
     version: int
+    seed: int = 0
+    """Chunk-digest seed of the broadcast payloads (``wire.digest_seed`` of the key)."""
 
 
 @dataclass
@@ -128,6 +130,7 @@ class EncodePart:
     value: torch.Tensor
     layout: FragmentLayout
     part_elems: int
+    seed: int = 0
 
 
 Work = FoldPart | InitPart | CommitPart | EncodePart
@@ -257,14 +260,15 @@ def commit_part(w: CommitPart, scratch: _Scratch) -> dict[str, Payload]:
         torch.sub(w.value[a:b], tmp, out=acc)  # the new value, where the sum was
     k = w.part
     return {
-        dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype) for dtype in w.encode_dtypes
+        dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype, w.seed) for dtype in w.encode_dtypes
     }
 
 
-def encode_part_payload(value: torch.Tensor, layout: FragmentLayout, k: int, part_elems: int, dtype: str) -> Payload:
+def encode_part_payload(value: torch.Tensor, layout: FragmentLayout, k: int, part_elems: int, dtype: str,
+                        seed: int = 0) -> Payload:
     """Payload of part ``k`` of a flat value: zero-copy views for fp32, one conversion for bf16."""
     views = layout.flat_views(value)
-    return encode_payload(layout.slice_part(views, k, part_elems), wire_dtype=dtype, parallel=False)
+    return encode_payload(layout.slice_part(views, k, part_elems), wire_dtype=dtype, parallel=False, seed=seed)
 
 
 class DataPlane:
@@ -346,7 +350,7 @@ def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
             result.payloads = commit_part(work, scratch)
         else:
             result.payloads = {work.dtype: encode_part_payload(work.value, work.layout, work.part, work.part_elems,
-                                                               work.dtype)}
+                                                               work.dtype, work.seed)}
     except WireError as exc:
         result.error = exc.reason
     except Exception as exc:  # noqa: BLE001 - a bug must not kill the worker

@@ -50,7 +50,7 @@ from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, d
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
-from diloco.wire import Bcast, Final, Limits, Payload, Pull, WireError, encode, open_message, seal
+from diloco.wire import Bcast, Final, Limits, Payload, Pull, WireError, digest_seed, encode, open_message, seal
 from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ class SyncerLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.data = DataPlane(options.data_threads, self._post)
+        self.state.digest_seed = digest_seed(options.key)
         self._cache = _EncodedCache()
         self._pacer = Pacer(options.window, self._send_tracked)
         self.loop_stall_max_s = 0.0
@@ -306,7 +307,8 @@ class SyncerLoop:
                 return None
             parts = self._cache.entries[key] = [None] * n
             for k in range(n):
-                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, E))
+                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, E,
+                                            self.state.digest_seed))
         key_bytes = self.options.key
 
         def frames_of(k: int) -> list[Any] | None:

@@ -106,6 +106,8 @@ class SyncerState:
         self.events: list[dict[str, Any]] = []
         self.work: list[Work] = []
         """Payload work for the data plane, drained by the loop."""
+        self.digest_seed = 0
+        """Chunk-digest seed of the payloads we encode (``wire.digest_seed`` of the key; the loop sets it)."""
         self.peers: dict[bytes, int] = {}
         """Routing id -> island of every current binding (to stamp what we send)."""
         self.hellos_seen: set[tuple[int, int]] = set()
@@ -658,7 +660,8 @@ class SyncerState:
         for k in range(n):
             lo, hi = frag.layout.part_range(k, E)
             self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
-                                        r.sum, total, self.hyper, frag.layout, E, dtypes, frag.version + 1))
+                                        r.sum, total, self.hyper, frag.layout, E, dtypes, frag.version + 1,
+                                        self.digest_seed))
 
     def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         r = self.rounds.get(work.round)

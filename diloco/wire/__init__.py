@@ -12,7 +12,7 @@ Split in three small modules: :mod:`.schema` (constants, limits, headers),
 buffers).  Import everything from here: ``from diloco import wire``.
 """
 
-from diloco.wire.codec import EMPTY_PAYLOAD, Message, Opened, Payload, decode, encode, encode_payload, open_message, payload_bytes, seal
+from diloco.wire.codec import EMPTY_PAYLOAD, Message, Opened, Payload, decode, digest_seed, encode, encode_payload, open_message, payload_bytes, seal
 from diloco.wire.parts import FragmentLayout, check_part_elems
 from diloco.wire.hostpool import HostBufferPool, default_receive_pool
 from diloco.wire.schema import (
@@ -70,6 +70,7 @@ __all__ = [
     "encode",
     "decode",
     "encode_payload",
+    "digest_seed",
     "seal",
     "open_message",
     "Opened",

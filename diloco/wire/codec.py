@@ -24,6 +24,7 @@ it and keeps serving.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import math
 import os
@@ -102,6 +103,7 @@ def encode_payload(
     wire_dtype: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     parallel: bool = True,
+    seed: int = 0,
 ) -> Payload:
     """Chunk and digest ``tensors`` (see :func:`encode` for the arguments and their rules).
 
@@ -144,7 +146,7 @@ def encode_payload(
 
     # Digest every chunk of the message at once, in parallel when it is large
     # (xxhash releases the GIL); then put each tensor's digests into its meta.
-    all_digests = _map_chunks(xxhash.xxh3_64_intdigest, chunk_frames, parallel)
+    all_digests = _map_chunks(functools.partial(xxhash.xxh3_64_intdigest, seed=seed), chunk_frames, parallel)
     start = 0
     for i, meta in enumerate(metas):
         count = meta.chunks[0]
@@ -205,7 +207,8 @@ def encode(
     """
     if not isinstance(header, HEADER_TYPES):
         raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
-    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes), key=key,
+    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes,
+                                       seed=digest_seed(key)), key=key,
                 nonce=nonce, seq=seq)
 
 
@@ -316,11 +319,13 @@ class Opened:
     does.
     """
 
-    __slots__ = ("header", "chunk_bytes", "metas", "nbytes", "nonce", "seq", "_chunks", "_sizes")
+    __slots__ = ("header", "chunk_bytes", "metas", "nbytes", "nonce", "seq", "seed", "_chunks", "_sizes")
 
     def __init__(self, header: Header, chunk_bytes: int, planned: list[_Planned], chunks: list[memoryview],
-                 nonce: int = 0, seq: int = 0) -> None:
+                 nonce: int = 0, seq: int = 0, seed: int = 0) -> None:
         self.header = header
+        self.seed = seed
+        """Seed of the chunk digests (:func:`digest_seed` of the receiver's key)."""
         self.nonce = nonce
         """Session nonce from the envelope (under the MAC); the receiver checks it."""
         self.seq = seq
@@ -347,7 +352,8 @@ class Opened:
     def verify(self, parallel: bool = True) -> None:
         """Check every chunk's digest (on the chunk threads); raise :class:`WireError` on the first bad one."""
         jobs = self._jobs()
-        verdicts = _map_chunks(lambda job: xxhash.xxh3_64_intdigest(job[3]) == job[4], jobs, parallel)
+        seed = self.seed
+        verdicts = _map_chunks(lambda job: xxhash.xxh3_64_intdigest(job[3], seed=seed) == job[4], jobs, parallel)
         for ok, (i, c, _o, _ch, _d) in zip(verdicts, jobs):
             if not ok:
                 raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
@@ -380,7 +386,8 @@ class Opened:
             if d.dtype != WIRE_DTYPES[meta.dtype] or d.numel() * d.element_size() != size or not d.is_contiguous():
                 raise ValueError(f"copy_into: destination for {meta.name!r} does not match its declaration")
             flat.append(d.reshape(-1).view(torch.uint8).numpy())
-        jobs = [(chunk, digest, flat[i][offset : offset + chunk.nbytes]) for i, _c, offset, chunk, digest in self._jobs()]
+        jobs = [(chunk, digest, flat[i][offset : offset + chunk.nbytes], self.seed)
+                for i, _c, offset, chunk, digest in self._jobs()]
         # Every job runs to completion before we report the first bad chunk, so no
         # worker is still writing into a tensor the caller might see.
         verdicts = _map_chunks(_check_and_copy, jobs, parallel)
@@ -443,7 +450,7 @@ def open_message(
             if chunks[j].nbytes != want:
                 raise WireError(f"chunk {c} of {p.meta.name[:80]!r} is {chunks[j].nbytes} bytes, expected {want}")
             j += 1
-    return Opened(env.header, env.chunk_bytes, planned, chunks, env.nonce, env.seq)
+    return Opened(env.header, env.chunk_bytes, planned, chunks, env.nonce, env.seq, digest_seed(key))
 
 
 def decode(
@@ -469,14 +476,26 @@ def decode(
     return Message(header=opened.header, tensors=opened.tensors(pool))
 
 
-def _check_and_copy(job: tuple[memoryview, int, np.ndarray]) -> bool:
+def digest_seed(key: bytes) -> int:
+    """The xxh3 seed of chunk digests: secret, derived from the shared key (0 without one).
+
+    The header MAC covers the digests; seeding them with a key-derived secret means an
+    on-path attacker cannot compute the digest of a chunk it altered, so in HMAC mode
+    (no transport encryption) a tampered payload is caught too.  xxh3 is not a proven MAC:
+    links you do not own should run Curve mode, whose AEAD authenticates every frame."""
+    if not key:
+        return 0
+    return int.from_bytes(hmac.digest(key, b"yeto-diloco chunk digest seed v1", "sha256")[:8], "little")
+
+
+def _check_and_copy(job: tuple[memoryview, int, np.ndarray, int]) -> bool:
     """Digest one received chunk and, if it matches, copy it into its tensor (the one copy).
 
     Hash first, then copy: the chunk is still in cache for the copy, and a
     forged chunk is never written anywhere.  Both calls release the GIL.
     """
-    chunk, digest, dest = job
-    if xxhash.xxh3_64_intdigest(chunk) != digest:
+    chunk, digest, dest, seed = job
+    if xxhash.xxh3_64_intdigest(chunk, seed=seed) != digest:
         return False
     np.copyto(dest, np.frombuffer(chunk, dtype=np.uint8))
     return True

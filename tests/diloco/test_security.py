@@ -9,7 +9,7 @@ import zmq
 from diloco import wire
 from diloco.config import ConfigError, IslandConfig
 from diloco.keys_cli import main as yeto_keys
-from diloco.security import ClientCurve, ServerCurve, derive_keypair, load_client_keys, load_public, load_secret
+from diloco.security import ClientCurve, ServerCurve, derive_password, load_client_keys, load_public, load_secret
 
 KEY = b"k" * 20
 
@@ -56,15 +56,14 @@ def test_zero_times_huge_dimension_is_refused_before_allocating() -> None:
         wire.open_message([hmac.digest(KEY, body, "sha256"), body], key=KEY)
 
 
-def test_derived_curve_keys_are_deterministic_per_key_and_role() -> None:
-    assert derive_keypair(KEY, "island") == derive_keypair(KEY, "island")
-    assert derive_keypair(KEY, "island") != derive_keypair(KEY, "syncer")
-    assert derive_keypair(KEY, "island") != derive_keypair(KEY + b"x", "island")
-    public, secret = derive_keypair(KEY, "syncer")
-    assert zmq.curve_public(secret) == public and len(public) == 40
+def test_hmac_mode_derives_a_plain_password_and_keeps_secrets_out_of_reprs() -> None:
+    public, secret = zmq.curve_keypair()
+    assert secret.decode() not in repr(ServerCurve(public, secret)) and secret.decode() not in repr(
+        ClientCurve(public, public, secret))
+    # HMAC mode: a PLAIN handshake with a password derived from the key (never the key itself).
     server, client = ServerCurve.from_shared_key(KEY), ClientCurve.from_shared_key(KEY)
-    assert client.server_public == server.public and server.allowed == {client.public}
-    assert b"secret" not in repr(server).encode() and secret.decode() not in repr(server)
+    assert server.plain_password == client.plain_password == derive_password(KEY) != derive_password(KEY + b"x")
+    assert KEY not in (server.plain_password or b"") and b"plain" not in repr(server).encode().lower()
 
 
 def test_yeto_keys_generates_lists_and_refuses_to_overwrite(tmp_path, capsys) -> None:
@@ -99,3 +98,25 @@ def test_island_curve_variables_are_validated_naming_them(tmp_path) -> None:
     curve = cfg.client_curve()
     assert curve is not None and curve.server_public == load_public(str(tmp_path / "syncer.key"))
     assert IslandConfig(sync_addr="tcp://h:1", island_id=0).client_curve() is None
+
+
+def test_chunk_digests_are_keyed_so_a_recomputed_digest_does_not_pass() -> None:
+    """HMAC mode has no transport encryption: an on-path attacker who alters a chunk and
+    recomputes its (unseeded) xxh3 digest in the header must still fail, because the digests
+    are seeded with a key-derived secret and the header MAC covers them."""
+    import torch
+    import xxhash
+
+    t = torch.arange(1024, dtype=torch.float32)
+    frames = [bytes(f) for f in wire.encode(wire.Pull(0, 1, 0), [("t", t)], key=KEY)]
+    assert wire.digest_seed(KEY) != 0 and wire.digest_seed(b"") == 0
+    # The digest in the header is not the plain xxh3 of the chunk (it is keyed).
+    assert xxhash.xxh3_64_intdigest(frames[2]) != wire.digest_seed(KEY) and frames[2]
+    opened = wire.open_message(frames, key=KEY)
+    assert opened.metas[0].chunks[0] != xxhash.xxh3_64_intdigest(frames[2])
+    assert opened.metas[0].chunks[0] == xxhash.xxh3_64_intdigest(frames[2], seed=wire.digest_seed(KEY))
+    # A flipped payload bit is caught (the header and its MAC untouched).
+    bad = bytearray(frames[2])
+    bad[7] ^= 1
+    with pytest.raises(wire.WireError, match="digest"):
+        wire.decode(frames[:2] + [bytes(bad)], key=KEY)
