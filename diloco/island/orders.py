@@ -90,14 +90,8 @@ def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, d
     me = group_rank(group)
     is_src = me == src
     head = torch.zeros(4, dtype=torch.int64)
-    payload = b""
-    if is_src:
-        assert orders is not None
-        if not orders.is_idle():
-            payload = orders.to_json()
-            if len(payload) > _MAX_ORDERS_BYTES:
-                raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
-        head[0] = len(payload)
+    payload = _payload(orders) if is_src else b""
+    head[0] = len(payload)
     head[1] = -done
     head[2] = me + 1 if failed else 0
     dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
@@ -111,6 +105,17 @@ def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, d
     return out, status
 
 
+def _payload(orders: Orders | None) -> bytes:
+    """The JSON of the source's orders (empty when idle), bounded."""
+    assert orders is not None
+    if orders.is_idle():
+        return b""
+    payload = orders.to_json()
+    if len(payload) > _MAX_ORDERS_BYTES:
+        raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
+    return payload
+
+
 def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) -> Orders:
     """Send ``orders`` from group rank ``src`` to every rank of ``group``; return them everywhere.
 
@@ -118,14 +123,8 @@ def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) 
     """
     is_src = group_rank(group) == src
     head = torch.zeros(2, dtype=torch.int64)
-    payload = b""
-    if is_src:
-        assert orders is not None
-        if not orders.is_idle():
-            payload = orders.to_json()
-            if len(payload) > _MAX_ORDERS_BYTES:
-                raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
-        head[0] = len(payload)
+    payload = _payload(orders) if is_src else b""
+    head[0] = len(payload)
     dist.broadcast(head, group=group, group_src=src)
     n = int(head[0])
     if n == 0:

@@ -106,14 +106,20 @@ class FragmentLayout:
         """Named tensors (plan shapes) viewing one flat buffer of the whole stream."""
         return [(n, flat[s : s + math.prod(shape)].view(shape)) for n, s, shape in zip(self.names, self.starts, self.shapes)]
 
-    def check_part(self, metas: Sequence[TensorMeta], k: int, n_parts: int, part_elems: int, dtype: str) -> str | None:
-        """Why a received part does not fit this stream (None if it does): index, count,
-        segment names, lengths and dtype, all before any payload byte is read."""
+    def _check_index(self, k: int, n_parts: int, part_elems: int) -> str | None:
         want_parts = self.n_parts(part_elems)
         if n_parts != want_parts:
             return f"n_parts {n_parts}, the fragment has {want_parts} parts of {part_elems} elements"
         if not 0 <= k < n_parts:
             return f"part {k} outside [0, {n_parts})"
+        return None
+
+    def check_part(self, metas: Sequence[TensorMeta], k: int, n_parts: int, part_elems: int, dtype: str) -> str | None:
+        """Why a received part does not fit this stream (None if it does): index, count,
+        segment names, lengths and dtype, all before any payload byte is read."""
+        problem = self._check_index(k, n_parts, part_elems)
+        if problem:
+            return problem
         lo, hi = self.part_range(k, part_elems)
         segs = self.segments(lo, hi)
         if len(metas) != len(segs):
@@ -133,11 +139,9 @@ class FragmentLayout:
                          block: int) -> str | None:
         """Why a low-bit push part does not fit (None if it does): exactly ``codes`` (uint8)
         and ``scales`` (bf16) of the sizes the part's element count gives."""
-        want_parts = self.n_parts(part_elems)
-        if n_parts != want_parts:
-            return f"n_parts {n_parts}, the fragment has {want_parts} parts of {part_elems} elements"
-        if not 0 <= k < n_parts:
-            return f"part {k} outside [0, {n_parts})"
+        problem = self._check_index(k, n_parts, part_elems)
+        if problem:
+            return problem
         lo, hi = self.part_range(k, part_elems)
         n = hi - lo
         codes = n if kind == "int8" else -(-n // 2)
