@@ -48,6 +48,10 @@ from diloco.wire.parts import FragmentLayout
 
 log = logging.getLogger(__name__)
 
+TEST_DELAY_S = float(os.environ.get("YETO_TEST_DATAPLANE_DELAY_S", "") or 0.0)
+"""Test hook, off by default: every work item sleeps this long first (a data plane made
+artificially slow, to show the control loop keeps answering while it works)."""
+
 COMMIT_BLOCK = 1 << 18
 """Elements per cache block of the commit (1 MiB per fp32 buffer; ~4 buffers stay in L2)."""
 
@@ -339,6 +343,8 @@ def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
     logged and reported the same way, so a worker thread never dies.
     """
     scratch = scratch or _Scratch()
+    if TEST_DELAY_S > 0:
+        time.sleep(TEST_DELAY_S)
     t0 = time.perf_counter()
     result = Result(work)
     try:
