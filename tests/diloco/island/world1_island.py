@@ -45,7 +45,7 @@ def main() -> None:
     # Required fields from overrides only: from_env validates after applying them.
     cfg = IslandConfig.from_env({}, sync_addr=a.addr, island_id=a.island_id, fragments=2, wire_dtype=a.wire_dtype,
                                 heartbeat_s=0.5, step_log=f"{a.out}/island{{island}}.steplog.jsonl")
-    island = Island(cfg, TorchLayout(model, opt))
+    island = Island(cfg, TorchLayout(model, opt), tokens_per_step=16)
     records = [island.start()]
     g = torch.Generator().manual_seed(a.island_id)
     for step in range(1, a.steps + 1):
