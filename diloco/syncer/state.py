@@ -62,6 +62,9 @@ from diloco.wire import (
 log = logging.getLogger(__name__)
 
 MAX_FINGERPRINT_CHARS = 256
+COUNTED_REFUSALS = frozenset({"bad_part", "bad_counts", "bad_base_version", "stale_base", "wrong_fragment"})
+"""PUSH refusals that count towards ``--max-refusals`` (with ``bad_push`` from the data plane): what
+the island sent was wrong. Races (an attempt or round that moved on meanwhile) do not count."""
 Out = Outgoing | OutStream
 
 
@@ -476,7 +479,9 @@ class SyncerState:
         if h.fragment != r.fragment:
             raise Refused("wrong_fragment", f"round {h.round} syncs fragment {r.fragment}, not {h.fragment}")
         if h.attempt != r.attempt:
-            raise Refused("stale_attempt", f"round {h.round} is at attempt {r.attempt}, push is for {h.attempt}")
+            # A later part of a push whose attempt was dropped meanwhile is the expected tail of it.
+            raise Refused("stale_attempt", f"round {h.round} is at attempt {r.attempt}, push is for {h.attempt}",
+                          quiet=h.part > 0 and h.attempt < r.attempt)
         if r.closed:
             raise Refused("round_closed", f"round {h.round} already closed")
         if h.island not in r.members:
@@ -587,7 +592,8 @@ class SyncerState:
             frag = self.fragments[r.fragment]
             out.append(self._bcast(rec, frag, frag.round, cut=False))
             out.append(self._pull(rnd, h.island))  # the loop sends it after the value
-        self._count_refusal(rec, f"{r.code}: {r.reason}", now, out)
+        if r.code in COUNTED_REFUSALS:
+            self._count_refusal(rec, f"{r.code}: {r.reason}", now, out)
 
     def _count_refusal(self, rec: IslandRecord, why: str, now: float, out: list[Out]) -> None:
         """One more push refusal in a row; ``--max-refusals`` of them evict the island from rounds
