@@ -262,12 +262,20 @@ class Island:
         Returns the seconds spent applying."""
         deadline = time.monotonic() + timeout_s
         apply_s = 0.0
+        progress_at, had = time.monotonic(), -1
         while True:
             orders = None
             if self.is_sync:
                 assert self.client is not None
                 try:
                     have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
+                    if len(have) != had:
+                        progress_at, had = time.monotonic(), len(have)
+                    elif time.monotonic() - progress_at > self.cfg.sync_timeout_s:
+                        # A lost cut message (a connection reset) is never resent on its own: rejoin,
+                        # and the syncer sends the whole cut again.
+                        self.client.rejoin()
+                        progress_at = time.monotonic()
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()

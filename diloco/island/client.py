@@ -146,6 +146,7 @@ class SyncClient:
         self._outbox: queue.Queue[_Outgoing] = queue.Queue(maxsize=config.send_queue)
         self._control: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._rejoin = threading.Event()
         self.stats = ClientStats()
         self.pool = wire.HostBufferPool(max_idle_bytes=2 * max((lay.numel * 4 for lay in self._layouts), default=0))
         # State shared with the training thread, guarded by _lock.
@@ -246,6 +247,11 @@ class SyncClient:
         with self._lock:
             self._final_ack = header
         self._control.put(_Outgoing(header))
+
+    def rejoin(self) -> None:
+        """Redial under a new generation (the syncer then sends its whole current cut again):
+        for a start-up whose cut stopped arriving (a message lost without a send error)."""
+        self._rejoin.set()
 
     def take_stale(self) -> list[tuple[int, int]]:
         """(fragment, round) of our pushes the syncer refused as ``stale_base`` since last asked:
@@ -376,6 +382,12 @@ class SyncClient:
                                 now - last_heard)
                     sock, pacer = self._redial(ctx, sock, backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                    last_heard = time.monotonic()
+                    continue
+                if self._rejoin.is_set():
+                    self._rejoin.clear()
+                    log.warning("island %d: the cut stopped arriving, rejoining", self._cfg.island_id)
+                    sock, pacer = self._redial(ctx, sock, 0.0)
                     last_heard = time.monotonic()
                     continue
                 if now - last_beat >= self._cfg.heartbeat_s:

@@ -100,6 +100,7 @@ class SyncerState:
         self.phase = "running"  # running -> final -> done
         self.final_deadline = 0.0
         self.final_expected: frozenset[int] = frozenset()
+        self.final_resend_at = 0.0
         self.exit_code: int | None = None
         self.checkpoint_due = False
         self.started_at: float | None = None
@@ -251,6 +252,15 @@ class SyncerState:
                 # A revived island must be re-cut: it may have missed broadcasts.
                 isl.cut_sent = False
                 log.warning("island %d silent for %.1fs: declared dead", isl.island, now - isl.last_seen)
+        if self.phase == "final" and now >= self.final_resend_at and now < self.final_deadline:
+            # A FINAL lost without a send error (a connection reset) is never acknowledged:
+            # send the final cut again to every island that has not acknowledged it yet.
+            self.final_resend_at = now + self._final_resend_s()
+            for i in sorted(self.final_expected):
+                isl = self.islands[i]
+                if not isl.final_acked and isl.alive:
+                    log.warning("island %d has not acknowledged the final cut: FINAL again", i)
+                    out.extend(self._finals(isl))
         if self.phase == "final" and now >= self.final_deadline:
             missing = sorted(i for i in self.final_expected if not self.islands[i].final_acked)
             log.error("finalization timed out: no FINAL_ACK from islands %s", missing)
@@ -945,6 +955,7 @@ class SyncerState:
                         missing, self.config.join_timeout_s)
         self.phase = "final"
         self.final_deadline = now + self.config.final_timeout_s
+        self.final_resend_at = now + self._final_resend_s()
         self.final_expected = frozenset(i.island for i in live)
         versions = self.versions()
         m = self.merged_summary()
@@ -963,6 +974,10 @@ class SyncerState:
             isl.final_acked = False
             isl.final_digests = ()
             out.extend(self._finals(isl))
+
+    def _final_resend_s(self) -> float:
+        """Period of the FINAL resend to islands that have not acknowledged it."""
+        return min(self.config.quorum_timeout_s, self.config.final_timeout_s / 3)
 
     def _final(self, isl: IslandRecord, frag: FragmentRecord) -> OutStream:
         return OutStream(isl.peer, "FINAL", frag.index, frag.version, 0, False, "float32", self.versions())
