@@ -172,3 +172,13 @@ def test_a_second_process_claiming_a_live_island_id_is_refused() -> None:
     # Once the old binding is silent for --dead-after-s, a new process takes the id over.
     out = d.send(b"new", msgspec.structs.replace(hello(1, 8), instance=333), now=2.0 + CFG.dead_after_s + 1)
     assert not errors(out) and d.st.islands[1].generation == 8
+
+
+def test_stale_tmp_checkpoint_directories_are_removed_at_start(tmp_path) -> None:
+    from diloco.syncer.store import CheckpointStore
+
+    (tmp_path / ".tmp-ckpt-00000007-123").mkdir()
+    (tmp_path / ".tmp-ckpt-00000007-123" / "values.safetensors").write_bytes(b"half written")
+    (tmp_path / "keep-me").mkdir()
+    CheckpointStore(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep-me"]
