@@ -42,7 +42,7 @@ def island(island_id: int, addr: str, out: str, together: Any) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cfg = IslandConfig(sync_addr=addr, island_id=island_id, key=KEY, fragments=FRAGMENTS,
                        step_log=f"{out}/island{island_id}.steplog.jsonl")
-    diloco = Island(cfg, TorchLayout(model, opt))
+    diloco = Island(cfg, TorchLayout(model, opt), tokens_per_step=64)  # 64 samples per step
     diloco.start()
     together.wait(timeout=120)  # only so this short demo trains both at once; islands may join any time
     data = torch.Generator().manual_seed(island_id)  # each island sees its own data

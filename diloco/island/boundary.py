@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.digest import tensor_digest
 from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.background import Background
 from diloco.island.datapath import DataPath
@@ -141,6 +142,7 @@ class Island:
         self.data_group = _data_group(self.group, timeout)
         self.data = DataPath(self.transfer, self.data_group)
         self.bg = Background(f"yeto-data-{self.rank}", config.pushes_in_flight, config.transfer_timeout_s)
+        self._tokens_given = bool(tokens_per_step or config.tokens_per_step)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
         n = self.plan.n_fragments
         self.plan_numel = [sum(s.numel for s in self.plan.specs_of(f)) for f in range(n)]
@@ -157,6 +159,8 @@ class Island:
         """Fragment -> local steps its outstanding snapshot's push carried (given back if never merged)."""
         self._push_seq: dict[int, int] = {}
         self._staging: dict[int, _Staged] = {}
+        self._stale: set[int] = set()
+        """Fragments whose outstanding push was refused ``stale_base`` (from orders: every rank)."""
         self._done_everywhere = 0
         # Sync rank only.
         self.client: SyncClient | None = None
@@ -164,6 +168,7 @@ class Island:
         self._parked_at: dict[int, int] = {}
         self._decisions = 0
         self._pending: dict[int, PendingBcast] = {}
+        self._stale_new: list[int] = []
         self._pushed_at: dict[tuple[int, int], int] = {}
         self._sent: collections.deque[tuple[int, int, int, int, int, bool]] = collections.deque()
         """(fragment, round, attempt, local_steps, data_bytes, accepted) of background pushes
@@ -195,6 +200,10 @@ class Island:
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
+                if welcome.weighting == "tokens" and not self._tokens_given:
+                    raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
+                                    "not know its tokens per step: pass Island(tokens_per_step=...) or set "
+                                    "YETO_DILOCO_TOKENS_PER_STEP, or run the syncer with --weighting steps")
                 log.info("island %d joined the syncer: %d fragments, versions %s%s", self.cfg.island_id,
                          self.plan.n_fragments, list(welcome.versions), ", streaming INIT" if need_init else "")
             except (TimeoutError, SyncError) as exc:
@@ -253,12 +262,20 @@ class Island:
         Returns the seconds spent applying."""
         deadline = time.monotonic() + timeout_s
         apply_s = 0.0
+        progress_at, had = time.monotonic(), -1
         while True:
             orders = None
             if self.is_sync:
                 assert self.client is not None
                 try:
                     have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
+                    if len(have) != had:
+                        progress_at, had = time.monotonic(), len(have)
+                    elif time.monotonic() - progress_at > self.cfg.sync_timeout_s:
+                        # A lost cut message (a connection reset) is never resent on its own: rejoin,
+                        # and the syncer sends the whole cut again.
+                        self.client.rejoin()
+                        progress_at = time.monotonic()
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()
@@ -348,6 +365,11 @@ class Island:
                 self._parked_at[p.fragment] = self._decisions
             self._counters.round, self._counters.attempt = max(
                 (self._counters.round, self._counters.attempt), (p.round, p.attempt))
+        for f, rnd in self.client.take_stale():
+            if self._snap_round.get(f) == rnd and f not in self._stale_new:
+                log.warning("island %d: push of fragment %d round %d refused (it missed a value): installing "
+                            "the syncer's current value, then answering the pull again", self.cfg.island_id, f, rnd)
+                self._stale_new.append(f)
         self._take_sent()
 
     def _take_sent(self) -> None:
@@ -373,7 +395,8 @@ class Island:
         installing = {f for f, *_ in installs}
         stages = [(f, b.version, b.round, b.cut) for f, b in sorted(self._pending.items())
                   if f not in self._staging or f in installing]
-        orders = Orders(applies=installs, stages=stages)
+        orders = Orders(applies=installs, stages=stages, stale=self._stale_new)
+        self._stale_new = []
         orders.pushes = self._take_pushes(orders, finishing)
         self._decisions += 1
         return orders
@@ -447,11 +470,18 @@ class Island:
 
     def _stage_all(self, orders: Orders) -> None:
         """Start the background scatter of newly received global values."""
+        self._stale.update(orders.stale)
         for f, version, rnd, cut in orders.stages:
             values = self._pending.pop(f).tensors if self.is_sync else None
             data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
             snap = self._snap_round.get(f)
-            progress = (not cut and self.cfg.apply_mode == "progress" and snap is not None and snap <= rnd)
+            # After a stale_base refusal the resent value is older than our refused push's round, but
+            # that push merged nothing: keep the progress since its snapshot (steps between the
+            # missed commit's snapshot and it are lost, never counted twice).
+            stale = f in self._stale
+            self._stale.discard(f)
+            progress = (not cut and self.cfg.apply_mode == "progress" and snap is not None
+                        and (snap <= rnd or stale))
             mode = "cut" if cut else "progress" if progress else "blend"
             seq = self.bg.submit("stage", f"staging of fragment {f} version {version}",
                                  functools.partial(self.data.stage, f, values, progress))
@@ -610,6 +640,9 @@ class Island:
             if acked:
                 if self.client.shutdown_reason is not None:
                     return Orders(stop=self.client.shutdown_reason)
+                if time.monotonic() > deadline:
+                    return Orders(error=f"no SHUTDOWN from the syncer within {self.cfg.final_timeout_s:.0f}s")
+                return Orders()  # the final cut is installed: nothing is applied or pushed after it
             else:
                 finals = self.client.final_fragments()
                 if finals is not None:
@@ -632,11 +665,13 @@ class Island:
         t0 = time.monotonic()
         finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
         data_bytes = 0
+        digests: list[str] = []
         for f in range(self.plan.n_fragments):
             values = None
             if finals is not None:
                 data_bytes += sum(t.numel() * t.element_size() for _, t in finals[f][1])
                 values = _fp32(finals[f][1])
+                digests.append(tensor_digest(values))  # what we install: the syncer checks it
             self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
         self.transfer.refresh(range(self.plan.n_fragments))
         # Every rank learns the final versions from one broadcast (the manifest).
@@ -645,7 +680,7 @@ class Island:
         dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
         self.versions = [int(v) for v in vers]
         if self.is_sync and self.client is not None:
-            self.client.send_final_ack(self.versions)
+            self.client.send_final_ack(self.versions, digests)
         events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
         if self.is_sync:
             log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)

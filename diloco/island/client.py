@@ -59,6 +59,10 @@ _FATAL_CODES = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", 
                           "bad_init"})
 """ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
 _REJOIN_CODES = frozenset({"not_bound", "unknown_generation"})
+_IN_USE_RETRY_S = 1.0
+"""A HELLO refused with ``island_in_use`` before we were ever welcomed is retried this often (the
+previous process of this island id may just have died: its binding lapses after --dead-after-s);
+``wait_welcome`` turns it into a fatal error at its timeout. Once welcomed, it is fatal at once."""
 """ERROR codes meaning the syncer lost our binding (it restarted): say HELLO again."""
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 10.0
@@ -143,6 +147,7 @@ class SyncClient:
         self._outbox: queue.Queue[_Outgoing] = queue.Queue(maxsize=config.send_queue)
         self._control: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._rejoin = threading.Event()
         self.stats = ClientStats()
         self.pool = wire.HostBufferPool(max_idle_bytes=2 * max((lay.numel * 4 for lay in self._layouts), default=0))
         # State shared with the training thread, guarded by _lock.
@@ -157,6 +162,15 @@ class SyncClient:
         self._final: dict[int, tuple[wire.Final, Tensors]] = {}
         self._shutdown: str | None = None
         self._fatal: str | None = None
+        self._instance = random.getrandbits(62) + 1
+        """Random per process, the same across redials: the syncer tells a reconnect of this
+        process from a second process claiming our island id (``island_in_use``)."""
+        self._last_refusal: str | None = None
+        self._redial_delay = 0.0
+        self._stale: list[tuple[int, int]] = []
+        """(fragment, round) of pushes refused as ``stale_base``, for the boundary."""
+        self._final_ack: wire.FinalAck | None = None
+        """Our FINAL_ACK, resent after a redial during finalization (the syncer forgot it)."""
         self._step = 0
         self._done = False
         # I/O thread only.
@@ -182,6 +196,9 @@ class SyncClient:
             while self._welcome is None and self._fatal is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if self._last_refusal is not None:
+                        raise SyncError(f"no WELCOME from the syncer at {self._cfg.sync_addr} within "
+                                        f"{timeout_s:.0f}s: {self._last_refusal}")
                     raise TimeoutError(f"no WELCOME from the syncer at {self._cfg.sync_addr} within {timeout_s:.0f}s "
                                        "(is yeto-syncer running and reachable? same key?)")
                 self._wake.wait(min(left, 0.5))
@@ -230,10 +247,25 @@ class SyncClient:
         if changed:
             self._enqueue_heartbeat()
 
-    def send_final_ack(self, versions: list[int]) -> None:
-        """Acknowledge the installed final cut."""
-        header = wire.FinalAck(island=self._cfg.island_id, generation=self._generation, versions=tuple(versions))
+    def send_final_ack(self, versions: list[int], digests: list[str] | None = None) -> None:
+        """Acknowledge the installed final cut, with the digest of each installed fragment."""
+        header = wire.FinalAck(island=self._cfg.island_id, generation=self._generation, versions=tuple(versions),
+                               digests=tuple(digests or ()))
+        with self._lock:
+            self._final_ack = header
         self._control.put(_Outgoing(header))
+
+    def rejoin(self) -> None:
+        """Redial under a new generation (the syncer then sends its whole current cut again):
+        for a start-up whose cut stopped arriving (a message lost without a send error)."""
+        self._rejoin.set()
+
+    def take_stale(self) -> list[tuple[int, int]]:
+        """(fragment, round) of our pushes the syncer refused as ``stale_base`` since last asked:
+        it sends that fragment's current value and the PULL again."""
+        with self._lock:
+            out, self._stale = self._stale, []
+            return out
 
     def take_ready_pulls(self) -> list[wire.Pull]:
         """Pulls to answer, oldest round first: per (fragment, round) the newest attempt,
@@ -250,9 +282,12 @@ class SyncClient:
         """Global values to apply (at most one per fragment, the newest), by fragment."""
         with self._lock:
             self._raise_fatal()
-            out = [self._bcasts[f] for f in sorted(self._bcasts)]
+            out = [self._bcasts[f] for f in sorted(self._bcasts)] if not self._final_complete() else []
             self._bcasts.clear()
             return out
+
+    def _final_complete(self) -> bool:
+        return len(self._final) >= self._n_fragments
 
     def wait_bcast(self, timeout_s: float) -> bool:
         """Wait until at least one broadcast is pending (True) or the timeout passed."""
@@ -326,7 +361,8 @@ class SyncClient:
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=gen,
                            fingerprint=self._fingerprint, n_fragments=self._n_fragments,
                            wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts),
-                           quant_block=self._cfg.quant_block if self._feedback is not None else 0)
+                           quant_block=self._cfg.quant_block if self._feedback is not None else 0,
+                           instance=self._instance)
         sock.send_multipart(wire.encode(hello, key=self._cfg.key), copy=False)  # nonce 0, seq 0: opens a session
         log.info("island %d: HELLO to %s (generation %x)", self._cfg.island_id, self._cfg.sync_addr, gen)
         return sock
@@ -360,6 +396,12 @@ class SyncClient:
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     last_heard = time.monotonic()
                     continue
+                if self._rejoin.is_set():
+                    self._rejoin.clear()
+                    log.warning("island %d: the cut stopped arriving, rejoining", self._cfg.island_id)
+                    sock, pacer = self._redial(ctx, sock, 0.0)
+                    last_heard = time.monotonic()
+                    continue
                 if now - last_beat >= self._cfg.heartbeat_s:
                     self._enqueue_heartbeat()
                     last_beat = now
@@ -374,7 +416,8 @@ class SyncClient:
                                 break
                             last_heard = time.monotonic()
                             if self._on_frames(frames):
-                                sock, pacer = self._redial(ctx, sock, 0.0)
+                                delay, self._redial_delay = self._redial_delay, 0.0
+                                sock, pacer = self._redial(ctx, sock, delay)
                                 last_heard = time.monotonic()
                                 break
                             backoff = _BACKOFF_START_S
@@ -607,7 +650,8 @@ class SyncClient:
             elif isinstance(h, wire.Bcast):
                 self._on_bcast(h, tensors)
             elif isinstance(h, wire.Final):
-                self._final[h.fragment] = (h, tensors)
+                if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
+                    self._final[h.fragment] = (h, tensors)
             elif isinstance(h, wire.Shutdown):
                 log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
                 self._shutdown = h.reason or "shutdown"
@@ -618,6 +662,16 @@ class SyncClient:
                                 h.code, h.reason)
                     return True
                 log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
+                if h.code == "island_in_use":
+                    self._last_refusal = f"[{h.code}] {h.reason}"
+                    if self._syncer_id is None:
+                        self._redial_delay = _IN_USE_RETRY_S  # the old process may just have died
+                        return True
+                    self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
+                elif h.code == "stale_base" and 0 <= h.fragment < self._n_fragments:
+                    # The syncer sends the fragment's current value, then this PULL again: answer it.
+                    self._pulls_taken.pop((h.fragment, h.round), None)
+                    self._stale.append((h.fragment, h.round))
                 if h.code in _FATAL_CODES:
                     self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
             else:
@@ -671,10 +725,14 @@ class SyncClient:
                 self._bcasts.clear()
                 if self._feedback is not None:
                     self._feedback.reset_all()
+            if self._final_ack is not None and h.syncer_id == self._syncer_id:
+                # A redial after we acknowledged the final cut: the syncer forgot the ack.
+                self._control.put(_Outgoing(self._final_ack))
             self._syncer_id = h.syncer_id
             self._part_elems = h.part_elems
             self._nonce = h.nonce
             self._welcome = h
+            self._last_refusal = None
         self._wake.notify_all()
         return False
 
@@ -695,6 +753,8 @@ class SyncClient:
                 del self._pulls_taken[k]
 
     def _on_bcast(self, h: wire.Bcast, tensors: Tensors) -> None:
+        if self._final or self._final_ack is not None:
+            return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
         floor = self._accepted_version[h.fragment]
         if h.version <= floor:
             return  # an identical replay or an older value

@@ -38,6 +38,10 @@ class Orders:
     pushes: list[tuple[int, int, int]] = field(default_factory=list)
     """(fragment, round, attempt) to export and push."""
 
+    stale: list[int] = field(default_factory=list)
+    """Fragments whose outstanding push the syncer refused as ``stale_base`` (it missed a value):
+    the value it resends is installed keeping the progress since that push's snapshot."""
+
     init: bool = False
     """Start-up only: the syncer asked this island to stream INIT."""
 
@@ -52,11 +56,11 @@ class Orders:
 
     def is_idle(self) -> bool:
         """Nothing to do: broadcast as an empty payload (the common case, one small broadcast)."""
-        return not (self.applies or self.stages or self.pushes or self.init or self.final or self.stop or self.error)
+        return not (self.applies or self.stages or self.pushes or self.stale or self.init or self.final or self.stop or self.error)
 
     def to_json(self) -> bytes:
         """The JSON bytes broadcast to the other ranks (never pickle)."""
-        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "i": self.init, "f": self.final, "s": self.stop,
+        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "t": self.stale, "i": self.init, "f": self.final, "s": self.stop,
                            "e": self.error}).encode()
 
     @classmethod
@@ -66,6 +70,7 @@ class Orders:
         return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
                    stages=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["g"]],
                    pushes=[(int(f), int(r), int(a)) for f, r, a in d["p"]],
+                   stale=[int(f) for f in d.get("t", [])],
                    init=bool(d["i"]), final=bool(d["f"]), stop=d["s"], error=d["e"])
 
 

@@ -22,10 +22,15 @@ class Refused(Exception):
         reason: one human-readable line for the log and the ERROR.
     """
 
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, code: str, reason: str, *, fragment: int = -1, round: int = 0, quiet: bool = False) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.fragment = fragment
+        """The fragment / round of a refused PUSH the island must act on (``stale_base``)."""
+        self.round = round
+        self.quiet = quiet
+        """Not logged above DEBUG nor answered: a later part of a push whose part 0 was refused."""
 
 
 class Dropped(Refused):

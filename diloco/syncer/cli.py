@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest fragment (GiB of fp32) accepted; a bigger plan is refused at HELLO with the fix")
     p.add_argument("--quant-block", type=int, default=64,
                    help="elements per bf16 scale of int8 / q4 pushes; islands must use the same (YETO_QUANT_BLOCK)")
+    p.add_argument("--max-refusals", type=int, default=5,
+                   help="an island whose pushes are refused this many times in a row leaves the rounds until it "
+                        "says HELLO again")
     p.add_argument("--stream-window", type=int, default=2,
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             part_elems=_part_elems(args.part_mib),
             max_fragment_bytes=int(args.max_fragment_gib * 2**30),
             quant_block=args.quant_block,
+            max_refusals=args.max_refusals,
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")

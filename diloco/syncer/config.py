@@ -51,6 +51,8 @@ class SyncerConfig:
             a multiple of 4096.
         max_fragment_bytes: fp32 bytes one fragment may hold (``--max-fragment-gib``); a
             plan above it is refused at HELLO with the fix.
+        max_refusals: an island whose pushes are refused this many times in a row is
+            evicted from rounds until it says HELLO again (``--max-refusals``).
         quant_block: elements per scale of ``int8`` / ``q4`` pushes (``--quant-block``); an
             island with another block size is refused at HELLO.
     """
@@ -72,6 +74,7 @@ class SyncerConfig:
     part_elems: int = 8 << 20
     max_fragment_bytes: int = 32 << 30
     quant_block: int = 64
+    max_refusals: int = 5
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -101,6 +104,8 @@ class SyncerConfig:
              f"got {self.part_elems} elements")
         need(self.quant_block in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), "--quant-block",
              f"must be a power of two in [8, 4096], got {self.quant_block}")
+        need(isinstance(self.max_refusals, int) and self.max_refusals >= 1, "--max-refusals",
+             f"must be >= 1, got {self.max_refusals}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property

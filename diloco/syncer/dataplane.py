@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from diloco import quant
+from diloco.digest import tensor_digest
 from diloco.outer import OuterHyper
 from diloco.wire import Opened, Payload, WireError, encode_payload
 from diloco.wire.parts import FragmentLayout
@@ -137,7 +138,22 @@ class EncodePart:
     seed: int = 0
 
 
-Work = FoldPart | InitPart | CommitPart | EncodePart
+@dataclass
+class DigestFragment:
+    """Hash a fragment's final value (``diloco.digest.tensor_digest`` of its tensors), to check
+    the digests islands send with FINAL_ACK. Whole-fragment and sequential (SHA-256), so it runs
+    on one worker: the one of part ``fragment``."""
+
+    fragment: int
+    value: torch.Tensor
+    layout: FragmentLayout
+
+    @property
+    def part(self) -> int:
+        return self.fragment
+
+
+Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment
 
 
 @dataclass
@@ -148,6 +164,7 @@ class Result:
     error: str | None = None
     payloads: dict[str, Payload] = field(default_factory=dict)
     seconds: float = 0.0
+    digest: str | None = None
 
 
 class _Scratch:
@@ -262,6 +279,10 @@ def commit_part(w: CommitPart, scratch: _Scratch) -> dict[str, Payload]:
         tmp.add_(acc)  # g + mu * m
         tmp.mul_(lr)
         torch.sub(w.value[a:b], tmp, out=acc)  # the new value, where the sum was
+        if w.new_momentum is not None and not (_finite(acc) and _finite(m)):
+            # A huge (finite) delta can overflow the merged value: refuse the commit. Value and
+            # momentum were written out of place, so the state drops it having changed nothing.
+            raise WireError(f"the outer step's result is not finite in elements [{a}, {b})")
     k = w.part
     return {
         dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype, w.seed) for dtype in w.encode_dtypes
@@ -354,6 +375,8 @@ def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
             init_part(work)
         elif isinstance(work, CommitPart):
             result.payloads = commit_part(work, scratch)
+        elif isinstance(work, DigestFragment):
+            result.digest = tensor_digest(work.layout.flat_views(work.value))
         else:
             result.payloads = {work.dtype: encode_part_payload(work.value, work.layout, work.part, work.part_elems,
                                                                work.dtype, work.seed)}
@@ -372,7 +395,7 @@ def default_threads() -> int:
 
 
 __all__ = [
-    "RoundSum", "FoldPart", "InitPart", "CommitPart", "EncodePart", "Work", "Result", "DataPlane", "run_work",
+    "RoundSum", "FoldPart", "InitPart", "CommitPart", "EncodePart", "DigestFragment", "Work", "Result", "DataPlane", "run_work",
     "default_threads", "encode_part_payload", "COMMIT_BLOCK",
 ]
 

@@ -28,7 +28,10 @@ right after. The final checkpoint (and the one on SIGTERM) is synchronous.
 
 Sends never block: the ROUTER uses ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
 peer that is gone (EHOSTUNREACH) or too slow (EAGAIN) loses that message,
-logged, and every other island is served as usual.
+logged, and every other island is served as usual. A lost value stream (BCAST,
+cut, FINAL) or PULL is reported to the state (``SyncerState.on_lost``), which
+resends it once the island is heard from again: nothing the state believes
+delivered was dropped by the loop.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import zmq
 
 from diloco.security import ServerAuth, ServerCurve
 from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.faults import FaultHook
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
@@ -171,6 +175,10 @@ class SyncerLoop:
         self.state.digest_seed = digest_seed(options.key)
         self._cache = _EncodedCache()
         self._pacer = Pacer(options.window, self._send_tracked)
+        self._tracked: list[tuple[Stream, OutStream]] = []
+        """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
+        self.faults = FaultHook.from_env()
+        self.lost_streams = 0
         self.loop_stall_max_s = 0.0
         """Longest iteration of the control loop (for benchmarks and the status line)."""
 
@@ -330,12 +338,49 @@ class SyncerLoop:
         nonce, seq = self.state.stamp(o.peer)
         return encode(o.header, key=self.options.key, nonce=nonce, seq=seq)
 
+    def _lost(self, peer: bytes, kind: str, fragment: int, cut: bool) -> None:
+        self.lost_streams += 1
+        self.state.on_lost(peer, kind, fragment, cut, time.monotonic())
+
+    def _fault(self, o: OutStream | Outgoing) -> bool:
+        """Test-only (``YETO_TEST_FAULTS``): True when this message is to be lost on purpose."""
+        if self.faults is None:
+            return False
+        if isinstance(o, OutStream):
+            kind = "CUT" if o.cut else o.kind
+        elif isinstance(o.header, Pull):
+            kind = "PULL"
+        else:
+            return False
+        mode = self.faults.take(kind)
+        if mode == "fail":  # as if the send failed: the state learns it
+            if isinstance(o, OutStream):
+                self._lost(o.peer, o.kind, o.fragment, o.cut)
+            else:
+                self._lost(o.peer, "PULL", -1, False)
+        return mode is not None
+
+    def _check_streams(self) -> None:
+        """Report value streams the pacer abandoned (send error) to the state, which resends."""
+        still = []
+        for stream, o in self._tracked:
+            if not stream.done.is_set():
+                still.append((stream, o))
+            elif not stream.ok:
+                self._lost(o.peer, o.kind, o.fragment, o.cut)
+                if stream.then:  # PULLs queued behind it were lost with it (the state re-pulls)
+                    stream.then.clear()
+        self._tracked = still
+
     def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
         for o in outgoing:
+            if self._fault(o):
+                continue
             if isinstance(o, OutStream):
                 stream = self._stream(o)
                 if stream is not None:
                     self._pacer.add(o.peer, stream)
+                    self._tracked.append((stream, o))
                 continue
             behind = self._pacer.last_stream(o.peer) if isinstance(o.header, Pull) else None
             if behind is not None:
@@ -350,13 +395,18 @@ class SyncerLoop:
             except zmq.Again:
                 self.dropped_sends += 1
                 log.warning("peer %s is slow (send queue full): dropped %s", o.peer.hex(), type(o.header).__name__)
+                if isinstance(o.header, Pull):
+                    self._lost(o.peer, "PULL", -1, False)
             except zmq.ZMQError as e:
                 if e.errno != errno.EHOSTUNREACH:
                     raise
                 self.dropped_sends += 1
                 self._pacer.drop(o.peer, "peer gone")
                 log.warning("peer %s is gone: dropped %s", o.peer.hex(), type(o.header).__name__)
+                if isinstance(o.header, Pull):
+                    self._lost(o.peer, "PULL", -1, False)
         self._pacer.pump()
+        self._check_streams()
         self._cache.prune(self.state.versions())
 
     def _status(self, now: float) -> None:

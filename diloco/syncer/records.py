@@ -52,6 +52,24 @@ class IslandRecord:
     last_seen: float = 0.0
     cut_sent: bool = False
     final_acked: bool = False
+    final_digests: tuple[str, ...] = ()
+    """Per-fragment digests of what the island says it installed (its FINAL_ACK)."""
+    owed: dict[int, bool] = field(default_factory=dict)
+    """Fragments whose value stream to this island was abandoned on a send error: resent
+    (BCAST, or FINAL while finalizing) once we hear from the island again; the value says
+    whether the lost stream was a cut (then the resend is one too)."""
+    owe_pulls: bool = False
+    """A PULL to this island was lost on a send error: re-pull its open rounds once heard."""
+    lost_at: float = -1.0
+    """Clock of the last send failure to this island (resends wait for a message after it)."""
+    refusals_in_row: int = 0
+    """PUSH refusals since its last accepted push (``--max-refusals`` evicts)."""
+    evicted: bool = False
+    """Left out of rounds after ``--max-refusals`` refusals in a row, until a fresh HELLO."""
+    refused_push: tuple[int, int] | None = None
+    """(round, attempt) of a push whose part 0 was refused: its later parts are dropped quietly."""
+    instance: int = 0
+    """The island process's ``Hello.instance`` (0: unknown)."""
     retired_generations: set[int] = field(default_factory=set)
     ledger: Ledger = field(default_factory=Ledger)
     nonce: int = 0
@@ -85,6 +103,10 @@ class FragmentRecord:
     init_done_parts: int = 0
     """INIT parts copied in by the data plane."""
     committing: bool = False
+    round: int = 0
+    """The round whose commit produced ``version`` (0: the INIT value or a resumed one)."""
+    digest: str | None = None
+    """``tensor_digest`` of the final value, computed on the data plane at finalization."""
 
 
 @dataclass
@@ -130,6 +152,8 @@ class RoundRecord:
     """Opened after every island finished: merges each island's last steps."""
     sum: Any = None
     commit_parts_left: int = 0
+    commit_failed: str | None = None
+    """Why a part of the commit was refused (its result not finite): the round is re-pulled."""
     new_momentum: torch.Tensor | None = None
 
 

@@ -29,7 +29,7 @@ import torch
 from diloco.outer import OuterHyper, push_weight
 from diloco.syncer.checks import Dropped, Refused, check_schema
 from diloco.syncer.config import SyncerConfig
-from diloco.syncer.dataplane import CommitPart, FoldPart, InitPart, Result, RoundSum, Work
+from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.records import (
     FragmentRecord,
     FragmentSnapshot,
@@ -62,6 +62,9 @@ from diloco.wire import (
 log = logging.getLogger(__name__)
 
 MAX_FINGERPRINT_CHARS = 256
+COUNTED_REFUSALS = frozenset({"bad_part", "bad_counts", "bad_base_version", "stale_base", "wrong_fragment"})
+"""PUSH refusals that count towards ``--max-refusals`` (with ``bad_push`` from the data plane): what
+the island sent was wrong. Races (an attempt or round that moved on meanwhile) do not count."""
 Out = Outgoing | OutStream
 
 
@@ -97,6 +100,7 @@ class SyncerState:
         self.phase = "running"  # running -> final -> done
         self.final_deadline = 0.0
         self.final_expected: frozenset[int] = frozenset()
+        self.final_resend_at = 0.0
         self.exit_code: int | None = None
         self.checkpoint_due = False
         self.started_at: float | None = None
@@ -196,15 +200,40 @@ class SyncerState:
                         type(header).__name__, getattr(header, "island", "?"), peer.hex(), r.code, r.reason)
             return []
         except Refused as r:
+            if r.quiet:
+                log.debug("dropped %s from island %s: %s", type(header).__name__, getattr(header, "island", "?"),
+                          r.reason)
+                return []
             self.refusals += 1
             island = getattr(header, "island", "?")
             log.warning(
                 "refused %s from island %s (peer %s): %s: %s",
                 type(header).__name__, island, peer.hex(), r.code, r.reason,
             )
-            return [Outgoing(peer, Error(code=r.code, reason=r.reason))]
+            out = [Outgoing(peer, Error(code=r.code, reason=r.reason, fragment=r.fragment, round=r.round))]
+            if isinstance(header, Push):
+                self._on_push_refused(header, r, now, out)
+            return out
         out.extend(self._progress(now))
         return out
+
+    def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float) -> None:
+        """The loop could not deliver a message to ``peer`` (a send error: the peer is gone, or
+        reconnected under the same routing id, or its queue is full).
+
+        ``kind`` is ``BCAST`` / ``FINAL`` (a value stream of ``fragment``; ``cut``: it was part of
+        a cut) or ``PULL``. The state owes the island that value (and a re-pull of its open
+        rounds), delivered once a message from the island proves it is connected again; an
+        island that reconnected under a new routing id gets a whole new cut anyway."""
+        rec = next((i for i in self.islands if i.bound and i.peer == peer), None)
+        if rec is None:
+            return
+        rec.lost_at = now
+        if kind in ("BCAST", "FINAL") and 0 <= fragment < self.n_fragments:
+            rec.owed[fragment] = rec.owed.get(fragment, False) or cut
+        rec.owe_pulls = True
+        log.warning("island %d: a %s%s was lost on a send error; resent once the island is heard from",
+                    rec.island, kind, f" of fragment {fragment}" if kind != "PULL" else "")
 
     def on_result(self, result: Result, now: float) -> list[Out]:
         """Take one finished data-plane work item; return what to send."""
@@ -216,6 +245,13 @@ class SyncerState:
             self._on_init_copied(work, result, out)
         elif isinstance(work, CommitPart):
             self._on_commit_part(work, result, now, out)
+        elif isinstance(work, DigestFragment):
+            frag = self.fragments[work.fragment]
+            if frag.value is work.value:
+                frag.digest = result.digest
+                if result.error:
+                    log.error("digest of fragment %d failed: %s", work.fragment, result.error)
+                self._check_final(out)
         out.extend(self._progress(now))
         return out
 
@@ -230,6 +266,15 @@ class SyncerState:
                 # A revived island must be re-cut: it may have missed broadcasts.
                 isl.cut_sent = False
                 log.warning("island %d silent for %.1fs: declared dead", isl.island, now - isl.last_seen)
+        if self.phase == "final" and now >= self.final_resend_at and now < self.final_deadline:
+            # A FINAL lost without a send error (a connection reset) is never acknowledged:
+            # send the final cut again to every island that has not acknowledged it yet.
+            self.final_resend_at = now + self._final_resend_s()
+            for i in sorted(self.final_expected):
+                isl = self.islands[i]
+                if not isl.final_acked and isl.alive:
+                    log.warning("island %d has not acknowledged the final cut: FINAL again", i)
+                    out.extend(self._finals(isl))
         if self.phase == "final" and now >= self.final_deadline:
             missing = sorted(i for i in self.final_expected if not self.islands[i].final_acked)
             log.error("finalization timed out: no FINAL_ACK from islands %s", missing)
@@ -344,6 +389,15 @@ class SyncerState:
         rec = self.islands[h.island]
         if self.phase == "done":
             raise Refused("finished", "the syncer has finished")
+        # Another process, not a reconnect: another instance (islands send a random one per
+        # process, kept across redials) while the binding was heard from within --dead-after-s.
+        other = bool(h.instance and rec.instance and h.instance != rec.instance and peer != rec.peer)
+        if (rec.bound and rec.alive and rec.generation != h.generation and other
+                and now - rec.last_seen <= cfg.dead_after_s):
+            raise Refused("island_in_use", f"island id {h.island} is bound to another live process (peer "
+                                           f"{rec.peer.hex()}, heard {now - rec.last_seen:.1f}s ago, within "
+                                           f"--dead-after-s={cfg.dead_after_s:.0f}s): two processes share one "
+                                           f"YETO_DILOCO_ISLAND_ID?")
 
         # --- accepted: mutate from here on
         self.hellos_seen.add((h.island, h.generation))
@@ -362,7 +416,15 @@ class SyncerState:
                 if p is not None and not p.complete and not r.closed:
                     self._restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")
                     r.members = r.members | {h.island}
+        if rec.evicted and rec.generation != h.generation:
+            log.warning("island %d readmitted to rounds: a fresh HELLO (generation %d)", h.island, h.generation)
+            rec.evicted = False
+            rec.refusals_in_row = 0
         rec.generation = h.generation
+        rec.instance = h.instance
+        rec.owed.clear()
+        rec.owe_pulls = False
+        rec.refused_push = None
         rec.wire_dtype = h.wire_dtype
         rec.bound = True
         rec.joined = True
@@ -391,9 +453,15 @@ class SyncerState:
                     part_elems=cfg.part_elems,
                     generation=h.generation,
                     nonce=rec.nonce,
+                    weighting=cfg.weighting,
                 ),
             )
         )
+        if self.phase == "final":
+            # A redial during finalization: the island may have lost the final cut (or its ack).
+            log.info("island %d rejoined while finalizing: FINAL again", h.island)
+            rec.final_digests = ()
+            out.extend(self._finals(rec))
 
     def _on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
@@ -457,10 +525,10 @@ class SyncerState:
                      frag.layout.numel * 4 / 2**20)
 
     def _size_pool(self) -> None:
-        """Keep at most one fragment's buffer idle: a freed value is the next round's sum;
-        more idle memory would only be resident for nothing."""
+        """Keep at most two fragment buffers idle: a freed value is the next round's sum and a
+        freed momentum the next commit's momentum; more idle memory would only be resident for nothing."""
         largest = max((f.layout.numel * 4 for f in self.fragments if f.layout is not None), default=0)
-        self.pool.max_idle_bytes = largest
+        self.pool.max_idle_bytes = 2 * largest
 
     def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
@@ -471,7 +539,9 @@ class SyncerState:
         if h.fragment != r.fragment:
             raise Refused("wrong_fragment", f"round {h.round} syncs fragment {r.fragment}, not {h.fragment}")
         if h.attempt != r.attempt:
-            raise Refused("stale_attempt", f"round {h.round} is at attempt {r.attempt}, push is for {h.attempt}")
+            # A later part of a push whose attempt was dropped meanwhile is the expected tail of it.
+            raise Refused("stale_attempt", f"round {h.round} is at attempt {r.attempt}, push is for {h.attempt}",
+                          quiet=h.part > 0 and h.attempt < r.attempt)
         if r.closed:
             raise Refused("round_closed", f"round {h.round} already closed")
         if h.island not in r.members:
@@ -482,6 +552,8 @@ class SyncerState:
         assert frag.layout is not None
         E = self.config.part_elems
         push = r.pushes.get(h.island)
+        if h.part > 0 and push is None and rec.refused_push == (h.round, h.attempt):
+            raise Refused("refused_push", f"part {h.part} of a refused push", quiet=True)
         if h.part == 0 and push is not None:
             raise Refused("duplicate_push", f"island {h.island} already pushed round {h.round} attempt {r.attempt}")
         if h.part > 0:
@@ -495,6 +567,12 @@ class SyncerState:
         else:
             if not 0 <= h.base_version <= frag.version:
                 raise Refused("bad_base_version", f"base version {h.base_version} outside [0, {frag.version}]")
+            if h.base_version < frag.version:
+                # The island missed a value (a lost BCAST): its delta is against an older anchor
+                # and would merge steps already merged. It gets the current value, then the PULL again.
+                raise Refused("stale_base", f"base version {h.base_version} of fragment {r.fragment} is older "
+                                            f"than its current version {frag.version}", fragment=r.fragment,
+                              round=h.round)
             if h.local_steps < 0 or h.tokens < 0:
                 raise Refused("bad_counts", f"local_steps {h.local_steps} / tokens {h.tokens} negative")
             weight = push_weight(h.local_steps, h.tokens, self.config.weighting)
@@ -524,8 +602,10 @@ class SyncerState:
                 weight=push_weight(h.local_steps, h.tokens, self.config.weighting), n_parts=h.n_parts,
             )
         push.last_part_at = now
+        rec.refused_push = None
         self._touch(rec, msg, now)
         if h.n_parts == 0:
+            rec.refusals_in_row = 0
             self._maybe_start_grace(r, now)
             return
         if r.sum is None:
@@ -547,12 +627,50 @@ class SyncerState:
                         result.error)
             isl = self.islands[work.island]
             out.append(Outgoing(isl.peer, Error(code="bad_push", reason=result.error)))
+            self._count_refusal(isl, f"bad_push: {result.error}", now, out)
             self._restart_attempt(r, now, out, f"a part of island {work.island} was refused")
             return
         push = r.pushes[work.island]
         push.folded += 1
         if push.complete:
+            self.islands[work.island].refusals_in_row = 0
             self._maybe_start_grace(r, now)
+
+    def _on_push_refused(self, h: Push, r: Refused, now: float, out: list[Out]) -> None:
+        """Bookkeeping of a refused PUSH from a bound island's current generation: its later parts
+        are dropped quietly, ``stale_base`` sends the current value and the PULL again, and the
+        refusal counts towards ``--max-refusals``."""
+        if not 0 <= h.island < self.config.islands:
+            return
+        rec = self.islands[h.island]
+        if not rec.bound or h.generation != rec.generation:
+            return
+        if h.part == 0:
+            rec.refused_push = (h.round, h.attempt)
+        rnd = self.rounds.get(h.round)
+        if r.code == "stale_base" and rnd is not None and rec.cut_sent and rec.alive:
+            frag = self.fragments[r.fragment]
+            out.append(self._bcast(rec, frag, frag.round, cut=False))
+            out.append(self._pull(rnd, h.island))  # the loop sends it after the value
+        if r.code in COUNTED_REFUSALS:
+            self._count_refusal(rec, f"{r.code}: {r.reason}", now, out)
+
+    def _count_refusal(self, rec: IslandRecord, why: str, now: float, out: list[Out]) -> None:
+        """One more push refusal in a row; ``--max-refusals`` of them evict the island from rounds
+        (one island whose pushes are always refused must not re-pull the same round forever)."""
+        rec.refusals_in_row += 1
+        if rec.evicted or rec.refusals_in_row < self.config.max_refusals:
+            return
+        rec.evicted = True
+        reason = (f"island {rec.island} evicted from rounds after {rec.refusals_in_row} refused pushes in a row "
+                  f"(--max-refusals {self.config.max_refusals}; last: {why[:200]}); it is readmitted when it "
+                  f"says HELLO again")
+        log.error("%s", reason)
+        self.events.append({"time": now, "evicted": rec.island, "reason": why[:200]})
+        out.append(Outgoing(rec.peer, Error(code="evicted", reason=reason)))
+        for r in self.rounds.values():
+            if not r.closed and rec.island in r.members and rec.island not in r.pushes:
+                r.members = r.members - {rec.island}
 
     def _maybe_start_grace(self, r: RoundRecord, now: float) -> None:
         done = sum(p.complete for p in r.pushes.values())
@@ -578,17 +696,44 @@ class SyncerState:
             raise Refused("not_expected", f"island {h.island} was not sent the final cut")
         if tuple(h.versions) != self.versions():
             raise Refused("bad_versions", f"acked versions {list(h.versions)[:16]} != {list(self.versions())[:16]}")
+        if h.digests and len(h.digests) != self.n_fragments:
+            raise Refused("bad_digests", f"{len(h.digests)} digests for {self.n_fragments} fragments")
         rec.final_acked = True
+        rec.final_digests = tuple(h.digests)
         self._touch(rec, msg, now)
-        if all(self.islands[i].final_acked for i in self.final_expected):
-            log.info("every island acknowledged the final cut %s", list(self.versions()))
-            self._finish(0, "training finished", out)
+        self._check_final(out)
+
+    def _check_final(self, out: list[Out]) -> None:
+        """Finish once every expected island acknowledged and every digest is known: exit 0 when
+        each island installed exactly the syncer's final values, else 1 naming who differs."""
+        if self.phase != "final" or not all(self.islands[i].final_acked for i in self.final_expected):
+            return
+        if any(f.digest is None for f in self.fragments):
+            return  # the data plane is still hashing the final values
+        bad = []
+        for i in sorted(self.final_expected):
+            got = self.islands[i].final_digests
+            if not got:
+                log.warning("island %d acknowledged the final cut without digests: not checked", i)
+                continue
+            wrong = [f.index for f, d in zip(self.fragments, got) if d != f.digest]
+            if wrong:
+                bad.append((i, wrong))
+        if bad:
+            for i, wrong in bad:
+                log.error("island %d installed a final cut different from the syncer's: fragments %s differ",
+                          i, wrong[:16])
+            self._finish(1, f"final cut mismatch on islands {[i for i, _ in bad]}", out)
+            return
+        log.info("every island acknowledged the final cut %s (digests checked)", list(self.versions()))
+        self._finish(0, "training finished", out)
 
     # ------------------------------------------------------------------ progress
 
     def _progress(self, now: float) -> list[Out]:
         """Rules that fire on state, in order: close, commit, cut, open, finalize."""
         out: list[Out] = []
+        self._deliver_owed(out)
         if self.phase != "running":
             return out
         for r in sorted(self.rounds.values(), key=lambda r: r.round):
@@ -601,14 +746,44 @@ class SyncerState:
         self._maybe_finalize(now, out)
         return out
 
+    def _deliver_owed(self, out: list[Out]) -> None:
+        """Resend what a send error lost (``on_lost``), once the island was heard from after it."""
+        for rec in self.live():
+            if not (rec.owed or rec.owe_pulls) or rec.last_seen <= rec.lost_at:
+                continue
+            owed, rec.owed, rec.owe_pulls = rec.owed, {}, False
+            for f, cut in sorted(owed.items()):
+                frag = self.fragments[f]
+                if self.phase == "final" and rec.island in self.final_expected and not rec.final_acked:
+                    out.append(self._final(rec, frag))
+                elif self.phase == "running" and rec.cut_sent and frag.initialised:
+                    log.info("island %d: resending fragment %d version %d%s", rec.island, f, frag.version,
+                             " (cut)" if cut else "")
+                    out.append(self._bcast(rec, frag, 0 if cut else frag.round, cut))
+            if self.phase == "running" and rec.cut_sent:
+                for r in sorted(self.rounds.values(), key=lambda r: r.round):
+                    if rec.island in r.members and rec.island not in r.pushes and not r.closed:
+                        out.append(self._pull(r, rec.island))
+
     def _pull(self, r: RoundRecord, island: int) -> Outgoing:
         return Outgoing(self.islands[island].peer, Pull(fragment=r.fragment, round=r.round, attempt=r.attempt))
 
-    def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str) -> None:
-        """Drop the attempt's pushes (and its running sum) and pull the live members again."""
+    def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str, resend: bool = False) -> None:
+        """Drop the attempt's pushes (and its running sum) and pull the live members again.
+
+        ``resend`` (a quorum timeout): members that did not push get the fragment's current value
+        first. A member that lost a BCAST or its cut without a send error (a connection reset
+        drops what TCP still held) never pushes that fragment; this is how it gets it again.
+        An island that has the value ignores the replay."""
         if r.sum is not None:
             r.sum.void = True
-        members = frozenset(i.island for i in self.live() if i.cut_sent)
+        members = frozenset(i.island for i in self.live() if i.cut_sent and not i.evicted)
+        if resend:
+            frag = self.fragments[r.fragment]
+            for i in sorted(r.members - set(r.pushes)):
+                isl = self.islands[i]
+                if i in members:
+                    out.append(self._bcast(isl, frag, frag.round, cut=False))
         log.warning("round %d attempt %d dropped (%s): re-pulling %s as attempt %d", r.round, r.attempt, why,
                     sorted(members), r.attempt + 1)
         r.attempt += 1
@@ -639,7 +814,7 @@ class SyncerState:
             r.closed = True
         elif complete < k and not partial and now - r.attempt_started >= self.config.quorum_timeout_s:
             self._restart_attempt(r, now, out, f"{complete}/{len(r.members)} pushes after "
-                                               f"{now - r.attempt_started:.1f}s, quorum {k}")
+                                               f"{now - r.attempt_started:.1f}s, quorum {k}", resend=True)
 
     def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
         """Merge a closed round (the earliest uncommitted one) on the data plane."""
@@ -649,9 +824,11 @@ class SyncerState:
             self._finish_commit(r, now, out, changed=False)
             return
         assert frag.layout is not None and frag.value is not None and frag.momentum is not None
-        if r.fragment in self.pinned:
-            # A checkpoint being written in the background reads this momentum: write beside it.
-            r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
+        # The new momentum is written beside the old one (which a checkpoint in flight may read,
+        # too): a commit whose result is not finite is then dropped leaving value and momentum
+        # exactly as they were.
+        r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
+        r.commit_failed = None
         E = self.config.part_elems
         dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
         n = frag.layout.n_parts(E)
@@ -668,10 +845,28 @@ class SyncerState:
         if r is None or r.sum is not work.sum:
             return
         if result.error:
-            log.error("commit of round %d part %d failed: %s", work.round, work.part, result.error)
+            log.error("commit of round %d part %d refused: %s", work.round, work.part, result.error)
+            r.commit_failed = r.commit_failed or result.error
         r.commit_parts_left -= 1
-        if r.commit_parts_left == 0:
+        if r.commit_parts_left == 0 and r.commit_failed:
+            self._drop_commit(r, now, out)
+        elif r.commit_parts_left == 0:
             self._finish_commit(r, now, out, changed=True)
+
+    def _drop_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
+        """A commit whose result is not finite changes nothing (value and momentum were written out
+        of place): the round is dropped, logged and re-pulled as a new attempt."""
+        frag = self.fragments[r.fragment]
+        frag.committing = False
+        r.new_momentum = None
+        r.closed = False
+        self.refusals += 1
+        log.error("round %d fragment %d attempt %d: the outer step's result is not finite (%s); nothing "
+                  "committed (fragment stays at version %d), re-pulling", r.round, r.fragment, r.attempt,
+                  r.commit_failed, frag.version)
+        self.events.append({"time": now, "round": r.round, "fragment": r.fragment, "attempt": r.attempt,
+                            "dropped": "non-finite commit", "pushed": sorted(r.pushes)})
+        self._restart_attempt(r, now, out, "the commit's result was not finite")
 
     def _finish_commit(self, r: RoundRecord, now: float, out: list[Out], changed: bool) -> None:
         frag = self.fragments[r.fragment]
@@ -683,6 +878,7 @@ class SyncerState:
                 frag.momentum = r.new_momentum
                 self.pinned.discard(r.fragment)
             frag.version += 1
+            frag.round = r.round
             if r.flush:
                 self.changed_flush += 1
             else:
@@ -755,7 +951,7 @@ class SyncerState:
         opens rounds; once every island finished, one flush round per fragment."""
         if not self.initialised:
             return
-        ready = [i for i in self.live() if i.cut_sent]
+        ready = [i for i in self.live() if i.cut_sent and not i.evicted]
         if not ready:
             return
         members = frozenset(i.island for i in ready)
@@ -798,7 +994,8 @@ class SyncerState:
     def _maybe_finalize(self, now: float, out: list[Out]) -> None:
         if not self.initialised or self.rounds or self.flush_left is None or self.flush_left:
             return
-        live = self.live()
+        everyone = self.live()
+        live = [i for i in everyone if not i.evicted]
         if not live or not all(self._finished_training(i) for i in live):
             return
         missing = [i.island for i in self.islands if not i.joined]
@@ -809,6 +1006,7 @@ class SyncerState:
                         missing, self.config.join_timeout_s)
         self.phase = "final"
         self.final_deadline = now + self.config.final_timeout_s
+        self.final_resend_at = now + self._final_resend_s()
         self.final_expected = frozenset(i.island for i in live)
         versions = self.versions()
         m = self.merged_summary()
@@ -818,10 +1016,25 @@ class SyncerState:
                         "nothing: islands pushed no local steps, or rounds opened too late)",
                         m["changed_in_training"], m["scheduled_rounds"])
         self.events.append({"time": now, "summary": m})
-        for isl in live:
+        for frag in self.fragments:
+            # FINAL_ACKs carry digests of what islands installed; ours is computed off the loop.
+            assert frag.value is not None and frag.layout is not None
+            frag.digest = None
+            self.work.append(DigestFragment(frag.index, frag.value, frag.layout))
+        for isl in everyone:  # an evicted island gets the final cut too, but is not waited for
             isl.final_acked = False
-            for frag in self.fragments:
-                out.append(OutStream(isl.peer, "FINAL", frag.index, frag.version, 0, False, "float32", versions))
+            isl.final_digests = ()
+            out.extend(self._finals(isl))
+
+    def _final_resend_s(self) -> float:
+        """Period of the FINAL resend to islands that have not acknowledged it."""
+        return min(self.config.quorum_timeout_s, self.config.final_timeout_s / 3)
+
+    def _final(self, isl: IslandRecord, frag: FragmentRecord) -> OutStream:
+        return OutStream(isl.peer, "FINAL", frag.index, frag.version, 0, False, "float32", self.versions())
+
+    def _finals(self, isl: IslandRecord) -> list[Out]:
+        return [self._final(isl, frag) for frag in self.fragments]
 
     def _finish(self, code: int, reason: str, out: list[Out]) -> None:
         self.phase = "done"

@@ -146,6 +146,10 @@ class Hello(_HeaderBase, tag="HELLO"):
     quant_block: int = 0
     """Elements per scale of ``int8`` / ``q4`` pushes (0 for fp32 / bf16); must match the syncer."""
     """Elements of each fragment of the island's plan, checked against the syncer's limits."""
+    instance: int = 0
+    """Random per island process, the same across its redials: a HELLO for a bound island id
+    from another instance while the binding is live is a second process (``island_in_use``),
+    not a reconnect. 0: unknown (an older island; the routing id decides)."""
 
 
 class Welcome(_HeaderBase, tag="WELCOME"):
@@ -164,6 +168,8 @@ class Welcome(_HeaderBase, tag="WELCOME"):
     nonce: int = 0
     """The session nonce: every later message of this connection, both ways, carries it (and an
     increasing sequence number) in its envelope, under the MAC (see docs/SECURITY.md)."""
+    weighting: str = ""
+    """The syncer's ``--weighting`` (``tokens``, ``steps``, ``equal``); empty from an older syncer."""
 
 
 class Init(_HeaderBase, tag="INIT"):
@@ -243,6 +249,10 @@ class FinalAck(_HeaderBase, tag="FINAL_ACK"):
     island: int
     generation: int
     versions: tuple[int, ...]
+    digests: tuple[str, ...] = ()
+    """Per fragment, ``diloco.digest.tensor_digest`` of the fp32 global value the island
+    installed (computed on its sync rank from the FINAL it received); the syncer checks it
+    against its own. Empty: not checked (an older island), logged."""
 
 
 class Shutdown(_HeaderBase, tag="SHUTDOWN"):
@@ -256,6 +266,10 @@ class Error(_HeaderBase, tag="ERROR"):
 
     code: str
     reason: str
+    fragment: int = -1
+    """The fragment of the refused PUSH (``stale_base``), else -1."""
+    round: int = 0
+    """The round of the refused PUSH (``stale_base``), else 0."""
 
 
 Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error

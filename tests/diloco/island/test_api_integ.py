@@ -73,20 +73,21 @@ def test_assignment_mismatch_is_refused_at_hello_by_a_real_syncer(tmp_path: Path
     try:
         cfg = IslandConfig(sync_addr=syncer.addr, island_id=0, fragments=2, heartbeat_s=0.5,
                            connect_timeout_s=60, initial_cut_timeout_s=60)
-        first = Island(cfg, TorchLayout(build_model()))
+        first = Island(cfg, TorchLayout(build_model()), tokens_per_step=16)
         first.start()  # fixes the syncer's layout: the default cut
         assert first.versions == [0, 0]
 
         def by_block(name: str) -> int:  # another cut of the same model
             return int(name.split(".")[0]) % 2
 
-        other = Island(cfg.replace(island_id=1), TorchLayout(build_model()), assignment=by_block)
+        other = Island(cfg.replace(island_id=1), TorchLayout(build_model()), assignment=by_block,
+                       tokens_per_step=16)
         assert other.plan.rule == "explicit" and other.fingerprint != first.fingerprint
         with pytest.raises(IslandError, match="fingerprint_mismatch"):
             other.start()
         # The same assignment as the first island's cut is accepted.
         same = {n: first.plan.fragment_of(n) for n in first.plan.specs}
-        again = Island(cfg.replace(island_id=1), TorchLayout(build_model()), assignment=same)
+        again = Island(cfg.replace(island_id=1), TorchLayout(build_model()), assignment=same, tokens_per_step=16)
         assert again.fingerprint != first.fingerprint  # explicit vs default: the rule is fingerprinted
         assert not dist.is_initialized()
     finally:

@@ -134,7 +134,7 @@ def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_ra
     layout = TorchLayout(model, group=dist.group.WORLD)
     cfg = IslandConfig(sync_addr=addr, island_id=0, fragments=N_FRAGMENTS, initial_cut_timeout_s=30.0,
                        heartbeat_s=0.1, sync_timeout_s=60.0, transfer_timeout_s=20.0)
-    island = Island(cfg, layout)
+    island = Island(cfg, layout, tokens_per_step=16)
     gather, stage = island.data.gather_delta, island.data.stage
 
     def slow_gather(f: int):  # noqa: ANN202 - keeps the push in flight while steps run

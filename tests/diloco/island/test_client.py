@@ -322,3 +322,84 @@ def test_client_messages_carry_the_session(syncer: ScriptedSyncer) -> None:
         assert [q for _, q in seen] == sorted({q for _, q in seen}) and seen[0][1] >= 1
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------- faults (issue 13)
+
+
+def test_an_unexpected_exception_on_the_io_thread_is_fatal_at_the_next_boundary(syncer: ScriptedSyncer,
+                                                                                 monkeypatch) -> None:
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+
+        def boom(*_a: object) -> None:
+            raise RuntimeError("decoder bug")
+
+        monkeypatch.setattr(client, "_on_pull", boom)
+        syncer.send(wire.Pull(fragment=0, round=1, attempt=0))
+        _wait(lambda: not client._thread.is_alive())
+        with pytest.raises(SyncError, match="I/O thread failed: RuntimeError: decoder bug"):
+            client.take_ready_pulls()
+        with pytest.raises(SyncError):
+            client.take_bcasts()
+    finally:
+        client.close(linger_s=0.1)
+
+
+def test_stale_base_lets_the_same_pull_be_answered_again(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        hello = syncer.welcome()
+        assert hello.instance != 0
+        client.wait_welcome(5)
+        pull = wire.Pull(fragment=1, round=4, attempt=0)
+        syncer.send(pull)
+        _wait(lambda: client.stats.messages_recv >= 2)
+        assert client.take_ready_pulls() == [pull]
+        syncer.send(pull)  # a resent copy of a pull we answered: ignored
+        syncer.send(wire.Error(code="stale_base", reason="base 0 < 1", fragment=1, round=4))
+        _wait(lambda: client.stats.messages_recv >= 4)
+        assert client.take_stale() == [(1, 4)] and client.take_stale() == []
+        syncer.send(pull)  # after stale_base the syncer's PULL is answered again
+        _wait(lambda: client.stats.messages_recv >= 5)
+        assert client.take_ready_pulls() == [pull]
+    finally:
+        client.close()
+
+
+def test_no_bcast_after_the_final_cut_and_the_ack_is_resent_after_a_redial(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        syncer.welcome()
+        client.wait_welcome(5)
+        value = [("w", torch.ones(3))]
+        for f in range(2):
+            syncer.send(wire.Final(fragment=f, version=3, n_fragments=2, versions=(3, 3)), value)
+        syncer.send(wire.Bcast(fragment=0, version=4, round=9, cut=False), [("w", torch.zeros(3).bfloat16())])
+        _wait(lambda: client.final_fragments() is not None and client.stats.messages_recv >= 4)
+        assert client.take_bcasts() == []  # a BCAST behind the FINAL is never applied
+        client.send_final_ack([3, 3], ["d0", "d1"])
+        ack = syncer.recv(wire.FinalAck).header
+        assert ack.digests == ("d0", "d1")
+        # A redial (the syncer no longer knows us): the same syncer gets the ack again.
+        syncer.send(wire.Error(code="unknown_generation", reason="?"))
+        syncer.welcome()
+        again = syncer.recv(wire.FinalAck).header
+        assert again.digests == ("d0", "d1") and again.generation != ack.generation
+    finally:
+        client.close()
+
+
+def test_island_in_use_before_a_welcome_is_retried_then_reported(syncer: ScriptedSyncer) -> None:
+    client = _client(syncer.addr)
+    try:
+        first = syncer.recv(wire.Hello).header
+        syncer.send(wire.Error(code="island_in_use", reason="island id 1 is bound to another live process"))
+        second = syncer.recv(wire.Hello, timeout_s=5).header  # retried, same process instance
+        assert second.instance == first.instance and second.generation != first.generation
+        with pytest.raises(SyncError, match="island_in_use"):
+            client.wait_welcome(1.5)
+    finally:
+        client.close()

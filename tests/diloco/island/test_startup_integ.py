@@ -120,7 +120,7 @@ def _island_rank(rank: int, world: int, addr: str, cut_timeout_s: float, steps: 
     layout = TorchLayout(model, group=dist.group.WORLD)
     cfg = IslandConfig(sync_addr=addr, island_id=0, fragments=N_FRAGMENTS, initial_cut_timeout_s=cut_timeout_s,
                        heartbeat_s=0.2, sync_timeout_s=60.0)
-    island = Island(cfg, layout)
+    island = Island(cfg, layout, tokens_per_step=16)
     # Count the fragments the sync rank holds: each export's tensors are tracked until freed.
     live: set[int] = set()
     max_live = [0]

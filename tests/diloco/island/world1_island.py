@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import time
 from dataclasses import asdict
@@ -37,15 +38,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--wire-dtype", default="bfloat16")
+    p.add_argument("--env", action="store_true", help="also read YETO_* variables (timeouts) from the environment")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"island{a.island_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     # Required fields from overrides only: from_env validates after applying them.
-    cfg = IslandConfig.from_env({}, sync_addr=a.addr, island_id=a.island_id, fragments=2, wire_dtype=a.wire_dtype,
+    cfg = IslandConfig.from_env(dict(os.environ) if a.env else {}, sync_addr=a.addr, island_id=a.island_id, fragments=2, wire_dtype=a.wire_dtype,
                                 heartbeat_s=0.5, step_log=f"{a.out}/island{{island}}.steplog.jsonl")
-    island = Island(cfg, TorchLayout(model, opt))
+    island = Island(cfg, TorchLayout(model, opt), tokens_per_step=16)
     records = [island.start()]
     g = torch.Generator().manual_seed(a.island_id)
     for step in range(1, a.steps + 1):

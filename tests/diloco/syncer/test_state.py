@@ -218,7 +218,7 @@ def test_rounds_open_by_the_kth_fastest_island_and_pull_members() -> None:
 
 
 def test_push_validation_refuses_without_state_change() -> None:
-    d = started()
+    d = started(replace(CFG, max_refusals=1000))  # eviction (a counted refusal) is tested apart
     open_round1(d)
     d.send(peer(2), hello(2, 301), now=1.0)  # island 2 reconnects: generation 300 retired
     before = value(d, 0)
@@ -245,10 +245,12 @@ def test_push_validation_refuses_without_state_change() -> None:
         (msgspec.structs.replace(p0, local_steps=0, n_parts=0), s0),  # zero weight with tensors
     ]
     for msg in bad_parts:
-        assert errors(d.send(peer(1), *msg, now=1.0)) == ["bad_part"]
+        # Part 1 after a refused part 0 of the same attempt is dropped quietly (no ERROR storm).
+        quiet = msg is bad_parts[4]
+        assert errors(d.send(peer(1), *msg, now=1.0)) == ([] if quiet else ["bad_part"])
     r = d.st.rounds[1]
     assert r.pushes == {} and r.sum is None and r.attempt == 0 and not r.closed
-    assert bitwise(value(d, 0), before) and d.st.versions() == (0, 0) and d.st.refusals == 14
+    assert bitwise(value(d, 0), before) and d.st.versions() == (0, 0) and d.st.refusals == 13
     assert d.send_all(peer(1), pushes(1, 1, 0), now=1.0) == []
     assert errors(d.send(peer(1), *pushes(1, 1, 0)[0], now=1.0)) == ["duplicate_push"]
     assert list(d.st.rounds[1].pushes) == [1] and d.st.rounds[1].pushes[1].complete
@@ -511,14 +513,14 @@ def test_snapshot_stays_consistent_while_fragments_commit() -> None:
     assert torch.equal(snap.fragments[0].value, value_at) and torch.equal(snap.fragments[0].momentum, momentum_at)
     # A fragment that did not commit still shares its tensors with the snapshot.
     assert snap.fragments[1].momentum is st.fragments[1].momentum and snap.fragments[1].value is st.fragments[1].value
-    # Released pins let commits update momentum in place again (values are always written beside).
+    # Momentum is always written beside the old one too (a non-finite commit must change nothing).
     st.release_snapshot()
     mom, val = st.fragments[1].momentum, st.fragments[1].value
     d.send(peer(0), hb(0, 4), now=2.0)
     d.send(peer(1), hb(1, 4), now=2.0)
     for i in range(3):
         d.send_all(peer(i), pushes(i, 2, 1), now=2.0)
-    assert st.fragments[1].version == 1 and st.fragments[1].momentum is mom and st.fragments[1].value is not val
+    assert st.fragments[1].version == 1 and st.fragments[1].momentum is not mom and st.fragments[1].value is not val
 
 
 def test_finalization_waits_for_islands_that_never_joined() -> None:
