@@ -41,11 +41,12 @@ from diloco.steplog_report import summarize
 
 log = logging.getLogger("yeto-demo")
 
-# Tuned with benchmarks/bench_quality.py (docs/PERFORMANCE.md, "Quality"): a 240-step run
-# has only 6 outer steps per fragment, too few for Nesterov momentum 0.9 to pay off (it
-# overshoots: islands/alone 1.05 vs 0.99-1.03 for plain averaging, lr 1 and no momentum).
-# Measured before progress-preserving apply and end-of-run flush rounds: re-tune after those.
-DEFAULT_SYNC_EVERY = 40
+# Tuned with benchmarks/bench_quality.py (docs/PERFORMANCE.md, "Quality"), with
+# progress-preserving apply, flush rounds and the slowest-island round clock: H = 20 beats
+# H = 40 (median islands/alone 0.980 vs 0.988 over 3 runs each), H = 10 costs more than it
+# gains (0.993); plain averaging (lr 1, no momentum) beats Nesterov 0.9 at every setting
+# tried (1.04-1.14: 6-24 outer steps per fragment are too few for momentum, it overshoots).
+DEFAULT_SYNC_EVERY = 20
 DEFAULT_FRAGMENTS = 4
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
