@@ -47,7 +47,7 @@ class Run:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "YETO_SYNC_TIMEOUT_S": "4",
                 "YETO_HEARTBEAT_S": "0.3", "YETO_DILOCO_INITIAL_CUT_TIMEOUT": "3", "YETO_CONNECT_TIMEOUT_S": "120",
-                "YETO_FINAL_TIMEOUT_S": "200"}
+                "YETO_FINAL_TIMEOUT_S": "200", "YETO_SYNC_KEY": "faults-test-key"}
 
     def syncer_cmd(self) -> list[str]:
         return [sys.executable, "-m", "diloco.syncer", "--bind", self.addr, "--islands", str(self.islands),
