@@ -46,8 +46,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, FragmentTransfer, _contiguous_base, _Seg
-from diloco.layout.base import ShardInfo, group_rank, place_shard, shard_of_global
+from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, _Seg
+from diloco.layout.base import group_rank, shard_of_global
 from gloo_bridge import device as dev
 
 log = logging.getLogger(__name__)
@@ -208,31 +208,17 @@ class DataPath:
                 sends.append(x._isend(d, self._sync, _TAG_EXPORT, self._group))
             x._wait(sends)
             return None
-        out = {s.name: x._pool.empty(tuple(s.shape), torch.float32) for s in x._plan.specs_of(f)}
-        staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
-
-        def dest(seg: _Seg) -> torch.Tensor:
-            base = _contiguous_base(seg.shard)
-            if base is not None:
-                return out[seg.name].view(-1)[base + seg.a : base + seg.b]
-            key = (seg.name, seg.shard.key())
-            if key not in staged:
-                size = seg.shard.valid_numel(tuple(out[seg.name].shape))
-                staged[key] = (seg.shard, x._pool.empty((size,), torch.float32))
-            return staged[key][1][seg.a : seg.b]
-
+        asm = ExportAssembly(x._plan, f, x._pool)
         works = [
-            x._irecv(dest(seg), src, _TAG_EXPORT, self._group)
+            x._irecv(asm.dest(seg), src, _TAG_EXPORT, self._group)
             for src, items in sorted(route.export.items())
             if src != self._sync
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            delta_into(dest(seg), h.piece, h.off, seg.n)
+            delta_into(asm.dest(seg), h.piece, h.off, seg.n)
         x._wait(works)
-        for (name, _), (shard, flat) in staged.items():
-            place_shard(out[name], shard, flat)
-        return [(name, out[name]) for name in x._plan.names(f)]
+        return asm.finish()
 
     def stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool) -> int:
         """Background, collective over the data group: scatter ``f``'s global values (sync rank

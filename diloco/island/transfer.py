@@ -101,6 +101,36 @@ def _contiguous_base(shard: ShardInfo) -> int | None:
     return None
 
 
+class ExportAssembly:
+    """Fragment ``f``'s global fp32 tensors being assembled on the sync rank from segments.
+
+    A segment lands directly in its global tensor when its shard is one contiguous block;
+    strided / dim-1 shards are staged whole and placed by :meth:`finish`, once every piece
+    has arrived. Buffers come from ``pool`` (the next export needs the same sizes)."""
+
+    def __init__(self, plan: FragmentPlan, f: int, pool: HostBufferPool) -> None:
+        self._plan, self._f, self._pool = plan, f, pool
+        self.out = {spec.name: pool.empty(tuple(spec.shape), torch.float32) for spec in plan.specs_of(f)}
+        self._staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
+
+    def dest(self, seg: _Seg) -> torch.Tensor:
+        """Where a segment lands."""
+        base = _contiguous_base(seg.shard)
+        if base is not None:
+            return self.out[seg.name].view(-1)[base + seg.a : base + seg.b]
+        key = (seg.name, seg.shard.key())
+        if key not in self._staged:
+            size = seg.shard.valid_numel(tuple(self.out[seg.name].shape))
+            self._staged[key] = (seg.shard, self._pool.empty((size,), torch.float32))
+        return self._staged[key][1][seg.a : seg.b]
+
+    def finish(self) -> list[tuple[str, torch.Tensor]]:
+        """Place the staged shards; the fragment's tensors in plan order."""
+        for (name, _), (shard, flat) in self._staged.items():
+            place_shard(self.out[name], shard, flat)
+        return [(name, self.out[name]) for name in self._plan.names(self._f)]
+
+
 class FragmentTransfer:
     """Built once per island on every rank. Collective methods: every rank calls them in the same order.
 
@@ -282,35 +312,19 @@ class FragmentTransfer:
             keep = [self._read(h, seg.n, delta) for seg, h in route.export.get(self._me, [])]
             self._wait([self._isend(x, self._sync, _TAG_EXPORT) for x in keep])
             return None
-        out = {spec.name: self._pool.empty(tuple(spec.shape), torch.float32) for spec in self._plan.specs_of(f)}
-        staged: dict[tuple[str, tuple[int, int, int]], tuple[ShardInfo, torch.Tensor]] = {}
-
-        def dest(seg: _Seg) -> torch.Tensor:
-            """Where a segment lands: directly in the global tensor when the shard is one contiguous block."""
-            base = _contiguous_base(seg.shard)
-            if base is not None:
-                return out[seg.name].view(-1)[base + seg.a : base + seg.b]
-            key = (seg.name, seg.shard.key())
-            if key not in staged:
-                size = seg.shard.valid_numel(tuple(out[seg.name].shape))
-                staged[key] = (seg.shard, self._pool.empty((size,), torch.float32))
-            return staged[key][1][seg.a : seg.b]
-
+        asm = ExportAssembly(self._plan, f, self._pool)
         # Post every receive first (into its final place), then copy the sync rank's own pieces
         # while the receives are in flight.
         works = [
-            self._irecv(dest(seg), src, _TAG_EXPORT)
+            self._irecv(asm.dest(seg), src, _TAG_EXPORT)
             for src, items in sorted(route.export.items())
             if src != self._sync
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            dest(seg).copy_(self._read(h, seg.n, delta))
+            asm.dest(seg).copy_(self._read(h, seg.n, delta))
         self._wait(works)
-        # Strided / dim-1 shards were staged whole; place them now that every piece has arrived.
-        for (name, _), (shard, flat) in staged.items():
-            place_shard(out[name], shard, flat)
-        return [(name, out[name]) for name in self._plan.names(f)]
+        return asm.finish()
 
     def apply_fragment(
         self,
