@@ -30,6 +30,7 @@ from diloco.outer import OuterHyper, push_weight
 from diloco.syncer.checks import Dropped, Refused, check_schema
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
+from diloco.syncer.rounds import RoundClock
 from diloco.syncer.records import (
     FragmentRecord,
     FragmentSnapshot,
@@ -68,7 +69,7 @@ the island sent was wrong. Races (an attempt or round that moved on meanwhile) d
 Out = Outgoing | OutStream
 
 
-class SyncerState:
+class SyncerState(RoundClock):
     """All syncer state and the transitions between states.
 
     Args:
@@ -941,108 +942,6 @@ class SyncerState:
             for r in sorted(self.rounds.values(), key=lambda r: r.round):
                 if isl.island in r.members and isl.island not in r.pushes and not r.closed:
                     out.append(self._pull(r, isl.island))
-
-    def _finished_training(self, isl: IslandRecord) -> bool:
-        total = self.config.total_steps
-        return isl.done or (total > 0 and isl.last_step >= total)
-
-    def _open_rounds(self, now: float, out: list[Out]) -> None:
-        """The round clock (docs/PROTOCOL.md, "Rounds"): the K-th fastest island still training
-        opens rounds; once every island finished, one flush round per fragment."""
-        if not self.initialised:
-            return
-        ready = [i for i in self.live() if i.cut_sent and not i.evicted]
-        if not ready:
-            return
-        members = frozenset(i.island for i in ready)
-        p, h = self.n_fragments, self.config.sync_every
-        training = sorted((i.last_step for i in ready if not i.done), reverse=True)
-        if training:
-            clock = training[min(self.config.effective_quorum, len(training)) - 1]
-            while True:
-                t = self.next_open
-                threshold = (t * h + p - 1) // p  # ceil(t * H / P)
-                if self.config.total_steps > 0 and threshold > self.config.total_steps:
-                    break  # the schedule is over: only the flush is left
-                if clock < threshold:
-                    return
-                fragment = (t - 1) % p
-                if any(r.fragment == fragment for r in self.rounds.values()):
-                    return  # the previous round of this fragment is still uncommitted
-                self._open(t, fragment, members, now, out, flush=False)
-                log.info("open round %d fragment %d (clock step %d >= %d), members %s", t, fragment, clock,
-                         threshold, sorted(members))
-        if not all(self._finished_training(i) for i in ready):
-            return
-        if self.flush_left is None:
-            self.flush_left = set(range(p))
-            log.info("every island finished training: one flush round per fragment merges their last steps")
-        for fragment in sorted(self.flush_left):
-            if any(r.fragment == fragment for r in self.rounds.values()):
-                continue
-            if any(r.flush and r.fragment == fragment for r in self.rounds.values()):
-                continue
-            self._open(self.next_open, fragment, members, now, out, flush=True)
-            log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))
-
-    def _open(self, t: int, fragment: int, members: frozenset[int], now: float, out: list[Out], flush: bool) -> None:
-        r = RoundRecord(round=t, fragment=fragment, attempt=0, members=members, attempt_started=now, flush=flush)
-        self.rounds[t] = r
-        self.next_open = t + 1
-        out.extend(self._pull(r, i) for i in sorted(members))
-
-    def _maybe_finalize(self, now: float, out: list[Out]) -> None:
-        if not self.initialised or self.rounds or self.flush_left is None or self.flush_left:
-            return
-        everyone = self.live()
-        live = [i for i in everyone if not i.evicted]
-        if not live or not all(self._finished_training(i) for i in live):
-            return
-        missing = [i.island for i in self.islands if not i.joined]
-        if missing:
-            if self.started_at is None or now - self.started_at < self.config.join_timeout_s:
-                return  # a slow island may still be starting: let it join the run
-            log.warning("finalizing without islands %s: they never joined within --join-timeout-s=%.0fs",
-                        missing, self.config.join_timeout_s)
-        self.phase = "final"
-        self.final_deadline = now + self.config.final_timeout_s
-        self.final_resend_at = now + self._final_resend_s()
-        self.final_expected = frozenset(i.island for i in live)
-        versions = self.versions()
-        m = self.merged_summary()
-        log.info("finalizing: FINAL %s to islands %s; merged: %s", list(versions), sorted(self.final_expected), m)
-        if m["scheduled_rounds"] and m["changed_in_training"] < m["scheduled_rounds"]:
-            log.warning("only %d of %d scheduled rounds changed the model during training (the others merged "
-                        "nothing: islands pushed no local steps, or rounds opened too late)",
-                        m["changed_in_training"], m["scheduled_rounds"])
-        self.events.append({"time": now, "summary": m})
-        for frag in self.fragments:
-            # FINAL_ACKs carry digests of what islands installed; ours is computed off the loop.
-            assert frag.value is not None and frag.layout is not None
-            frag.digest = None
-            self.work.append(DigestFragment(frag.index, frag.value, frag.layout))
-        for isl in everyone:  # an evicted island gets the final cut too, but is not waited for
-            isl.final_acked = False
-            isl.final_digests = ()
-            out.extend(self._finals(isl))
-
-    def _final_resend_s(self) -> float:
-        """Period of the FINAL resend to islands that have not acknowledged it."""
-        return min(self.config.quorum_timeout_s, self.config.final_timeout_s / 3)
-
-    def _final(self, isl: IslandRecord, frag: FragmentRecord) -> OutStream:
-        return OutStream(isl.peer, "FINAL", frag.index, frag.version, 0, False, "float32", self.versions())
-
-    def _finals(self, isl: IslandRecord) -> list[Out]:
-        return [self._final(isl, frag) for frag in self.fragments]
-
-    def _finish(self, code: int, reason: str, out: list[Out]) -> None:
-        self.phase = "done"
-        self.exit_code = code
-        self.checkpoint_due = True
-        for isl in self.islands:
-            if isl.bound:
-                out.append(Outgoing(isl.peer, Shutdown(reason=reason)))
 
     # ------------------------------------------------------------------ checkpoint
 
