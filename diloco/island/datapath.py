@@ -46,8 +46,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, _Seg
-from diloco.layout.base import group_rank, shard_of_global
+from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, ShardSlices
+from diloco.layout.base import group_rank
 from gloo_bridge import device as dev
 
 log = logging.getLogger(__name__)
@@ -274,13 +274,7 @@ class DataPath:
             if t.dtype != torch.float32:  # the bf16 wire: upcast here, into a pooled buffer
                 t = x._pool.empty(tuple(t.shape), torch.float32).copy_(t)
             table[name] = t.contiguous()
-        cache: dict[tuple[str, tuple[int, int, int]], torch.Tensor] = {}
-
-        def flat(seg: _Seg) -> torch.Tensor:
-            key = (seg.name, seg.shard.key())
-            if key not in cache:
-                cache[key] = shard_of_global(table[seg.name], seg.shard)
-            return cache[key][seg.a : seg.b]
+        flat = ShardSlices(table)
 
         works, network, own = [], 0, 0
         for dst, items in sorted(route.apply.items()):

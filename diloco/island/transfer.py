@@ -101,6 +101,23 @@ def _contiguous_base(shard: ShardInfo) -> int | None:
     return None
 
 
+class ShardSlices:
+    """Segments of a fragment's global values, as a rank's shard sees them (apply hop 1).
+
+    Each (tensor, shard) is cut out of the global tensor once (``shard_of_global``) and
+    reused for every segment of it."""
+
+    def __init__(self, table: dict[str, torch.Tensor]) -> None:
+        self._table = table
+        self._cache: dict[tuple[str, tuple[int, int, int]], torch.Tensor] = {}
+
+    def __call__(self, seg: _Seg) -> torch.Tensor:
+        key = (seg.name, seg.shard.key())
+        if key not in self._cache:
+            self._cache[key] = shard_of_global(self._table[seg.name], seg.shard)
+        return self._cache[key][seg.a : seg.b]
+
+
 class ExportAssembly:
     """Fragment ``f``'s global fp32 tensors being assembled on the sync rank from segments.
 
@@ -394,13 +411,7 @@ class FragmentTransfer:
                     f"apply_fragment({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape} float32"
                 )
             table[name] = t.contiguous()
-        cache: dict[tuple[str, tuple[int, int, int]], torch.Tensor] = {}
-
-        def flat(seg: _Seg) -> torch.Tensor:
-            key = (seg.name, seg.shard.key())
-            if key not in cache:
-                cache[key] = shard_of_global(table[seg.name], seg.shard)
-            return cache[key][seg.a : seg.b]
+        flat = ShardSlices(table)
 
         works = []
         network = 0
