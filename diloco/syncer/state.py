@@ -15,25 +15,30 @@ so a refusal leaves the state exactly as it was; ``handle`` then logs one line a
 answers the peer with ERROR.  A part refused by the data plane (bad digest, NaN)
 cannot be taken out of the running sum again, so it voids its attempt: the round
 is re-pulled with ``attempt + 1``.
+
+The rules live in four modules, one concept each, all methods of this one class: this one
+(entry points, PUSH, quorum, commit), ``admission`` (sessions, HELLO, INIT), ``recovery``
+(lost messages, refusals, dropped attempts, checkpoints) and ``rounds`` (the round clock,
+flush rounds, finalization).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 from typing import Any
 
 import torch
 
 from diloco.outer import OuterHyper, push_weight
-from diloco.syncer.checks import Dropped, Refused, check_schema
+from diloco.syncer.admission import Admission
+from diloco.syncer.checks import Dropped, Refused
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
+from diloco.syncer.recovery import Recovery
 from diloco.syncer.rounds import RoundClock
 from diloco.syncer.records import (
     FragmentRecord,
-    FragmentSnapshot,
     IslandRecord,
     Outgoing,
     OutStream,
@@ -42,13 +47,10 @@ from diloco.syncer.records import (
     Snapshot,
 )
 from diloco.wire import (
-    PROTOCOL_VERSION,
-    PUSH_DTYPES,
     QUANT_KINDS,
     bcast_dtype,
     Error,
     FinalAck,
-    FragmentLayout,
     HostBufferPool,
     Heartbeat,
     Hello,
@@ -56,20 +58,14 @@ from diloco.wire import (
     Opened,
     Pull,
     Push,
-    Shutdown,
-    Welcome,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_FINGERPRINT_CHARS = 256
-COUNTED_REFUSALS = frozenset({"bad_part", "bad_counts", "bad_base_version", "stale_base", "wrong_fragment"})
-"""PUSH refusals that count towards ``--max-refusals`` (with ``bad_push`` from the data plane): what
-the island sent was wrong. Races (an attempt or round that moved on meanwhile) do not count."""
 Out = Outgoing | OutStream
 
 
-class SyncerState(RoundClock):
+class SyncerState(Admission, Recovery, RoundClock):
     """All syncer state and the transitions between states.
 
     Args:
@@ -218,23 +214,6 @@ class SyncerState(RoundClock):
         out.extend(self._progress(now))
         return out
 
-    def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float) -> None:
-        """The loop could not deliver a message to ``peer`` (a send error: the peer is gone, or
-        reconnected under the same routing id, or its queue is full).
-
-        ``kind`` is ``BCAST`` / ``FINAL`` (a value stream of ``fragment``; ``cut``: it was part of
-        a cut) or ``PULL``. The state owes the island that value (and a re-pull of its open
-        rounds), delivered once a message from the island proves it is connected again; an
-        island that reconnected under a new routing id gets a whole new cut anyway."""
-        rec = next((i for i in self.islands if i.bound and i.peer == peer), None)
-        if rec is None:
-            return
-        rec.lost_at = now
-        if kind in ("BCAST", "FINAL") and 0 <= fragment < self.n_fragments:
-            rec.owed[fragment] = rec.owed.get(fragment, False) or cut
-        rec.owe_pulls = True
-        log.warning("island %d: a %s%s was lost on a send error; resent once the island is heard from",
-                    rec.island, kind, f" of fragment {fragment}" if kind != "PULL" else "")
 
     def on_result(self, result: Result, now: float) -> list[Out]:
         """Take one finished data-plane work item; return what to send."""
@@ -285,251 +264,9 @@ class SyncerState(RoundClock):
 
     # ------------------------------------------------------------------ validation helpers
 
-    def stamp(self, peer: bytes) -> tuple[int, int]:
-        """(nonce, seq) for the next message sealed for ``peer``; (0, 0) for a peer we do not bind."""
-        island = self.peers.get(peer)
-        if island is None:
-            return 0, 0
-        rec = self.islands[island]
-        rec.send_seq += 1
-        return rec.nonce, rec.send_seq
-
-    def _session(self, island: int, generation: int, peer: bytes, msg: Opened) -> IslandRecord:
-        """The island's record if ``msg`` belongs to its current connection (replay protection).
-
-        Raises Dropped (nothing answered) for another routing id, a wrong nonce or a sequence
-        number that does not increase; the sequence number advances when the message is
-        accepted (:meth:`_touch`)."""
-        rec = self._bound_island(island, generation)
-        if peer != rec.peer:
-            raise Dropped("wrong_peer", f"island {island} is bound to peer {rec.peer.hex()}, not {peer.hex()}")
-        if msg.nonce != rec.nonce:
-            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
-        if msg.seq <= rec.recv_seq:
-            raise Dropped("replayed_seq", f"sequence number {msg.seq} <= {rec.recv_seq} (a replay)")
-        return rec
-
-    def _bound_island(self, island: int, generation: int) -> IslandRecord:
-        if not 0 <= island < self.config.islands:
-            raise Refused("unknown_island", f"island {island} outside [0, {self.config.islands})")
-        rec = self.islands[island]
-        if not rec.bound:
-            raise Refused("not_bound", f"island {island} has not said HELLO")
-        if generation != rec.generation:
-            if generation in rec.retired_generations:
-                raise Refused("old_generation", f"generation {generation} of island {island} was replaced")
-            raise Refused("unknown_generation", f"generation {generation} is not island {island}'s current one")
-        return rec
-
-    def _touch(self, rec: IslandRecord, msg: Opened, now: float) -> None:
-        """An accepted message of the island's connection: alive, and its sequence number taken."""
-        rec.last_seen = now
-        rec.recv_seq = msg.seq
-        if not rec.alive:
-            rec.alive = True
-            rec.cut_sent = False
-            log.info("island %d is live again (generation %d)", rec.island, rec.generation)
-
-    def _check_sizes(self, fragment_numel: tuple[int, ...], n_fragments: int) -> None:
-        """A plan whose fragments exceed what this syncer accepts is refused with the fix."""
-        if not fragment_numel:
-            return
-        if len(fragment_numel) != n_fragments or any(n <= 0 for n in fragment_numel):
-            raise Refused("bad_fragments", f"{len(fragment_numel)} fragment sizes for {n_fragments} fragments")
-        limit = self.config.max_fragment_bytes
-        biggest = max(fragment_numel) * 4
-        if biggest > limit:
-            need = math.ceil(sum(fragment_numel) * 4 / limit)
-            raise Refused(
-                "fragment_too_large",
-                f"a fragment holds {biggest / 2**30:.2f} GiB of fp32, this syncer accepts at most "
-                f"{limit / 2**30:.2f} GiB per fragment (--max-fragment-gib): use more fragments "
-                f"(YETO_DILOCO_FRAGMENTS >= {max(need, n_fragments + 1)}) or raise --max-fragment-gib",
-            )
-        if self.fragments and all(f.layout is not None for f in self.fragments):
-            have = tuple(f.layout.numel for f in self.fragments if f.layout is not None)
-            if have != tuple(fragment_numel):
-                raise Refused("fragments_mismatch", f"fragment sizes {list(fragment_numel)[:8]} != {list(have)[:8]}")
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_hello(self, peer: bytes, h: Hello, msg: Opened, now: float, out: list[Out]) -> None:
-        cfg = self.config
-        if h.protocol != PROTOCOL_VERSION:
-            raise Refused("protocol", f"protocol {h.protocol}, syncer speaks {PROTOCOL_VERSION}")
-        if not 0 <= h.island < cfg.islands:
-            raise Refused("unknown_island", f"island {h.island} outside [0, {cfg.islands})")
-        if h.generation < 0:
-            raise Refused("bad_generation", f"generation {h.generation} < 0")
-        # A client says HELLO once per connection, under a fresh generation: a second HELLO of
-        # one generation is a replay, and the replayer gets nothing (not even an ERROR).
-        if (h.island, h.generation) in self.hellos_seen:
-            raise Dropped("replayed_hello", f"HELLO of island {h.island} generation {h.generation} seen before")
-        if msg.nonce or msg.seq:
-            raise Refused("bad_session", "HELLO opens a session: nonce and seq must be 0")
-        if h.wire_dtype not in PUSH_DTYPES:
-            raise Refused("bad_dtype", f"wire dtype {h.wire_dtype[:40]!r} not in {list(PUSH_DTYPES)}")
-        if h.wire_dtype in QUANT_KINDS and h.quant_block != cfg.quant_block:
-            raise Refused("bad_quant", f"{h.wire_dtype} pushes with blocks of {h.quant_block} elements; this syncer "
-                                       f"uses --quant-block {cfg.quant_block} (set YETO_QUANT_BLOCK={cfg.quant_block})")
-        if not 1 <= h.n_fragments <= cfg.max_fragments:
-            raise Refused("bad_fragments", f"n_fragments {h.n_fragments} outside [1, {cfg.max_fragments}]")
-        if not 0 < len(h.fingerprint) <= MAX_FINGERPRINT_CHARS:
-            raise Refused("bad_fingerprint", f"fingerprint of {len(h.fingerprint)} chars")
-        if msg.metas:
-            raise Refused("unexpected_tensors", "HELLO carries no tensors")
-        if self.fingerprint is not None:
-            if h.fingerprint != self.fingerprint:
-                raise Refused(
-                    "fingerprint_mismatch",
-                    f"layout fingerprint {h.fingerprint[:64]} != syncer's {self.fingerprint[:64]}",
-                )
-            if h.n_fragments != self.n_fragments:
-                raise Refused("fragments_mismatch", f"n_fragments {h.n_fragments} != syncer's {self.n_fragments}")
-        self._check_sizes(tuple(h.fragment_numel), h.n_fragments)
-        rec = self.islands[h.island]
-        if self.phase == "done":
-            raise Refused("finished", "the syncer has finished")
-        # Another process, not a reconnect: another instance (islands send a random one per
-        # process, kept across redials) while the binding was heard from within --dead-after-s.
-        other = bool(h.instance and rec.instance and h.instance != rec.instance and peer != rec.peer)
-        if (rec.bound and rec.alive and rec.generation != h.generation and other
-                and now - rec.last_seen <= cfg.dead_after_s):
-            raise Refused("island_in_use", f"island id {h.island} is bound to another live process (peer "
-                                           f"{rec.peer.hex()}, heard {now - rec.last_seen:.1f}s ago, within "
-                                           f"--dead-after-s={cfg.dead_after_s:.0f}s): two processes share one "
-                                           f"YETO_DILOCO_ISLAND_ID?")
-
-        # --- accepted: mutate from here on
-        self.hellos_seen.add((h.island, h.generation))
-        if self.fingerprint is None:
-            self.fingerprint = h.fingerprint
-            self.fragments = [FragmentRecord(index=f) for f in range(h.n_fragments)]
-            log.info("layout fixed by island %d: fingerprint %s, %d fragments", h.island, h.fingerprint, h.n_fragments)
-        if rec.bound and rec.generation != h.generation:
-            rec.retired_generations.add(rec.generation)
-            log.info("island %d reconnected: generation %d replaces %d", h.island, h.generation, rec.generation)
-            # A push the old connection left half-sent is in the running sum and its last parts
-            # will never come: drop that attempt now (not after --dead-after-s) and pull again;
-            # the reconnected island is pulled after its cut.
-            for r in list(self.rounds.values()):
-                p = r.pushes.get(h.island)
-                if p is not None and not p.complete and not r.closed:
-                    self._restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")
-                    r.members = r.members | {h.island}
-        if rec.evicted and rec.generation != h.generation:
-            log.warning("island %d readmitted to rounds: a fresh HELLO (generation %d)", h.island, h.generation)
-            rec.evicted = False
-            rec.refusals_in_row = 0
-        rec.generation = h.generation
-        rec.instance = h.instance
-        rec.owed.clear()
-        rec.owe_pulls = False
-        rec.refused_push = None
-        rec.wire_dtype = h.wire_dtype
-        rec.bound = True
-        rec.joined = True
-        rec.alive = True
-        rec.final_acked = False
-        # Every HELLO (new or repeated) gets the whole current cut: the island
-        # may have lost its copy; replays of one version are ignored client side.
-        rec.cut_sent = False
-        rec.last_seen = now
-        self.peers.pop(rec.peer, None)
-        rec.peer = peer
-        self.peers[peer] = h.island
-        rec.nonce = random.getrandbits(63) or 1
-        rec.recv_seq = rec.send_seq = 0
-        need_init = h.island == 0 and not self.initialised
-        out.append(
-            Outgoing(
-                peer,
-                Welcome(
-                    protocol=PROTOCOL_VERSION,
-                    syncer_id=self.syncer_id,
-                    need_init=need_init,
-                    versions=self.versions(),
-                    sync_every=cfg.sync_every,
-                    total_steps=cfg.total_steps,
-                    part_elems=cfg.part_elems,
-                    generation=h.generation,
-                    nonce=rec.nonce,
-                    weighting=cfg.weighting,
-                ),
-            )
-        )
-        if self.phase == "final":
-            # A redial during finalization: the island may have lost the final cut (or its ack).
-            log.info("island %d rejoined while finalizing: FINAL again", h.island)
-            rec.final_digests = ()
-            out.extend(self._finals(rec))
-
-    def _on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
-        rec = self._session(h.island, h.generation, peer, msg)
-        if h.island != 0:
-            raise Refused("init_not_island0", f"INIT from island {h.island}; only island 0 initialises")
-        if h.n_fragments != self.n_fragments:
-            raise Refused("fragments_mismatch", f"n_fragments {h.n_fragments} != {self.n_fragments}")
-        if not 0 <= h.fragment < self.n_fragments:
-            raise Refused("unknown_fragment", f"fragment {h.fragment} outside [0, {self.n_fragments})")
-        frag = self.fragments[h.fragment]
-        if frag.initialised:
-            raise Refused("duplicate_init", f"fragment {h.fragment} is already initialised")
-        E = self.config.part_elems
-        if h.part == 0:
-            schema = check_schema(h.schema, self.config.max_fragment_bytes, f"INIT fragment {h.fragment}")
-            layout = FragmentLayout.of([(n, s) for n, _d, s in schema])
-        else:
-            if h.schema:
-                raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")
-            if frag.layout is None or h.part != frag.init_next_part:
-                raise Refused("bad_part", f"INIT part {h.part} of fragment {h.fragment}, expected part "
-                                          f"{frag.init_next_part}")
-            layout = frag.layout
-            schema = frag.schema
-        problem = layout.check_part(msg.metas, h.part, h.n_parts, E, "float32")
-        if problem:
-            raise Refused("bad_part", f"INIT fragment {h.fragment}: {problem}")
-
-        # --- accepted
-        if h.part == 0:
-            # (Re)start of the stream: a redialed island 0 streams INIT again from part 0.
-            frag.schema, frag.layout = schema, layout
-            frag.value = self.pool.empty((layout.numel,), torch.float32)
-            frag.momentum = self.pool.empty((layout.numel,), torch.float32)
-            frag.init_next_part = frag.init_done_parts = 0
-        assert frag.value is not None and frag.momentum is not None
-        lo, _hi = layout.part_range(h.part, E)
-        frag.init_next_part += 1
-        self.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value, frag.momentum))
-        self._touch(rec, msg, now)
-
-    def _on_init_copied(self, work: InitPart, result: Result, out: list[Out]) -> None:
-        frag = self.fragments[work.fragment]
-        if frag.value is not work.value or frag.initialised:
-            return  # a restarted INIT stream replaced this buffer
-        if result.error:
-            self.refusals += 1
-            log.warning("INIT part %d of fragment %d refused: %s; island 0 must stream INIT again",
-                        work.part, work.fragment, result.error)
-            frag.value = frag.momentum = None
-            frag.init_next_part = frag.init_done_parts = 0
-            out.append(Outgoing(self.islands[0].peer, Error(code="bad_init", reason=result.error)))
-            return
-        frag.init_done_parts += 1
-        assert frag.layout is not None
-        if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
-            frag.initialised = True
-            self._size_pool()
-            frag.version = 0
-            log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
-                     frag.layout.numel * 4 / 2**20)
-
-    def _size_pool(self) -> None:
-        """Keep at most two fragment buffers idle: a freed value is the next round's sum and a
-        freed momentum the next commit's momentum; more idle memory would only be resident for nothing."""
-        largest = max((f.layout.numel * 4 for f in self.fragments if f.layout is not None), default=0)
-        self.pool.max_idle_bytes = 2 * largest
 
     def _on_push(self, peer: bytes, h: Push, msg: Opened, now: float) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
@@ -637,41 +374,6 @@ class SyncerState(RoundClock):
             self.islands[work.island].refusals_in_row = 0
             self._maybe_start_grace(r, now)
 
-    def _on_push_refused(self, h: Push, r: Refused, now: float, out: list[Out]) -> None:
-        """Bookkeeping of a refused PUSH from a bound island's current generation: its later parts
-        are dropped quietly, ``stale_base`` sends the current value and the PULL again, and the
-        refusal counts towards ``--max-refusals``."""
-        if not 0 <= h.island < self.config.islands:
-            return
-        rec = self.islands[h.island]
-        if not rec.bound or h.generation != rec.generation:
-            return
-        if h.part == 0:
-            rec.refused_push = (h.round, h.attempt)
-        rnd = self.rounds.get(h.round)
-        if r.code == "stale_base" and rnd is not None and rec.cut_sent and rec.alive:
-            frag = self.fragments[r.fragment]
-            out.append(self._bcast(rec, frag, frag.round, cut=False))
-            out.append(self._pull(rnd, h.island))  # the loop sends it after the value
-        if r.code in COUNTED_REFUSALS:
-            self._count_refusal(rec, f"{r.code}: {r.reason}", now, out)
-
-    def _count_refusal(self, rec: IslandRecord, why: str, now: float, out: list[Out]) -> None:
-        """One more push refusal in a row; ``--max-refusals`` of them evict the island from rounds
-        (one island whose pushes are always refused must not re-pull the same round forever)."""
-        rec.refusals_in_row += 1
-        if rec.evicted or rec.refusals_in_row < self.config.max_refusals:
-            return
-        rec.evicted = True
-        reason = (f"island {rec.island} evicted from rounds after {rec.refusals_in_row} refused pushes in a row "
-                  f"(--max-refusals {self.config.max_refusals}; last: {why[:200]}); it is readmitted when it "
-                  f"says HELLO again")
-        log.error("%s", reason)
-        self.events.append({"time": now, "evicted": rec.island, "reason": why[:200]})
-        out.append(Outgoing(rec.peer, Error(code="evicted", reason=reason)))
-        for r in self.rounds.values():
-            if not r.closed and rec.island in r.members and rec.island not in r.pushes:
-                r.members = r.members - {rec.island}
 
     def _maybe_start_grace(self, r: RoundRecord, now: float) -> None:
         done = sum(p.complete for p in r.pushes.values())
@@ -747,53 +449,10 @@ class SyncerState(RoundClock):
         self._maybe_finalize(now, out)
         return out
 
-    def _deliver_owed(self, out: list[Out]) -> None:
-        """Resend what a send error lost (``on_lost``), once the island was heard from after it."""
-        for rec in self.live():
-            if not (rec.owed or rec.owe_pulls) or rec.last_seen <= rec.lost_at:
-                continue
-            owed, rec.owed, rec.owe_pulls = rec.owed, {}, False
-            for f, cut in sorted(owed.items()):
-                frag = self.fragments[f]
-                if self.phase == "final" and rec.island in self.final_expected and not rec.final_acked:
-                    out.append(self._final(rec, frag))
-                elif self.phase == "running" and rec.cut_sent and frag.initialised:
-                    log.info("island %d: resending fragment %d version %d%s", rec.island, f, frag.version,
-                             " (cut)" if cut else "")
-                    out.append(self._bcast(rec, frag, 0 if cut else frag.round, cut))
-            if self.phase == "running" and rec.cut_sent:
-                for r in sorted(self.rounds.values(), key=lambda r: r.round):
-                    if rec.island in r.members and rec.island not in r.pushes and not r.closed:
-                        out.append(self._pull(r, rec.island))
 
     def _pull(self, r: RoundRecord, island: int) -> Outgoing:
         return Outgoing(self.islands[island].peer, Pull(fragment=r.fragment, round=r.round, attempt=r.attempt))
 
-    def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str, resend: bool = False) -> None:
-        """Drop the attempt's pushes (and its running sum) and pull the live members again.
-
-        ``resend`` (a quorum timeout): members that did not push get the fragment's current value
-        first. A member that lost a BCAST or its cut without a send error (a connection reset
-        drops what TCP still held) never pushes that fragment; this is how it gets it again.
-        An island that has the value ignores the replay."""
-        if r.sum is not None:
-            r.sum.void = True
-        members = frozenset(i.island for i in self.live() if i.cut_sent and not i.evicted)
-        if resend:
-            frag = self.fragments[r.fragment]
-            for i in sorted(r.members - set(r.pushes)):
-                isl = self.islands[i]
-                if i in members:
-                    out.append(self._bcast(isl, frag, frag.round, cut=False))
-        log.warning("round %d attempt %d dropped (%s): re-pulling %s as attempt %d", r.round, r.attempt, why,
-                    sorted(members), r.attempt + 1)
-        r.attempt += 1
-        r.pushes.clear()
-        r.sum = None
-        r.members = members
-        r.attempt_started = now
-        r.grace_deadline = None
-        out.extend(self._pull(r, i) for i in sorted(members))
 
     def _check_quorum(self, r: RoundRecord, now: float, out: list[Out]) -> None:
         """Close, wait, or drop the attempt (docs/PROTOCOL.md, "Quorum").
@@ -854,20 +513,6 @@ class SyncerState(RoundClock):
         elif r.commit_parts_left == 0:
             self._finish_commit(r, now, out, changed=True)
 
-    def _drop_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
-        """A commit whose result is not finite changes nothing (value and momentum were written out
-        of place): the round is dropped, logged and re-pulled as a new attempt."""
-        frag = self.fragments[r.fragment]
-        frag.committing = False
-        r.new_momentum = None
-        r.closed = False
-        self.refusals += 1
-        log.error("round %d fragment %d attempt %d: the outer step's result is not finite (%s); nothing "
-                  "committed (fragment stays at version %d), re-pulling", r.round, r.fragment, r.attempt,
-                  r.commit_failed, frag.version)
-        self.events.append({"time": now, "round": r.round, "fragment": r.fragment, "attempt": r.attempt,
-                            "dropped": "non-finite commit", "pushed": sorted(r.pushes)})
-        self._restart_attempt(r, now, out, "the commit's result was not finite")
 
     def _finish_commit(self, r: RoundRecord, now: float, out: list[Out], changed: bool) -> None:
         frag = self.fragments[r.fragment]
@@ -945,62 +590,3 @@ class SyncerState(RoundClock):
 
     # ------------------------------------------------------------------ checkpoint
 
-    def release_snapshot(self) -> None:
-        """The last :meth:`snapshot` has been written: commits may update momenta in place again."""
-        self.pinned.clear()
-
-    def snapshot(self) -> Snapshot:
-        """The checkpointable state, consistent as of now, safe to write on another thread.
-
-        Tensors are shared, not copied: values are never written in place (a commit writes
-        the next value elsewhere), and every momentum is *pinned* until
-        :meth:`release_snapshot`, so a commit in between writes its new momentum beside the
-        old one. A checkpoint therefore costs no extra memory unless fragments commit while
-        it is being written.
-        """
-        if not self.initialised or self.fingerprint is None:
-            raise RuntimeError("nothing to checkpoint before every fragment is initialised")
-        self.pinned = set(range(len(self.fragments)))
-        frags = []
-        for f in self.fragments:
-            assert f.value is not None and f.momentum is not None
-            frags.append(FragmentSnapshot(f.version, f.schema, f.value, f.momentum))
-        return Snapshot(
-            fingerprint=self.fingerprint,
-            n_fragments=self.n_fragments,
-            fragments=tuple(frags),
-            next_round=self.next_commit,
-            ledgers={i.island: i.ledger.to_json() for i in self.islands},
-            hyper={
-                "outer_lr": self.config.outer_lr,
-                "outer_momentum": self.config.outer_momentum,
-                "weighting": self.config.weighting,
-                "sync_every": self.config.sync_every,
-            },
-        )
-
-    def _restore(self, snap: Snapshot) -> None:
-        if snap.n_fragments != len(snap.fragments) or not 1 <= snap.n_fragments <= self.config.max_fragments:
-            raise ValueError(f"checkpoint declares {snap.n_fragments} fragments but holds {len(snap.fragments)}")
-        if snap.next_round < 1:
-            raise ValueError(f"checkpoint next_round {snap.next_round} < 1")
-        frags: list[FragmentRecord] = []
-        for idx, fs in enumerate(snap.fragments):
-            if not fs.schema:
-                raise ValueError(f"checkpoint fragment {idx}: empty schema")
-            layout = FragmentLayout.of([(n, s) for n, _d, s in fs.schema])
-            for t in (fs.value, fs.momentum):
-                if t.dtype != torch.float32 or tuple(t.shape) != (layout.numel,):
-                    raise ValueError(f"checkpoint fragment {idx}: {t.dtype} {tuple(t.shape)}, expected "
-                                     f"float32 ({layout.numel},)")
-            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=fs.value.contiguous(),
-                                        momentum=fs.momentum.contiguous(), version=fs.version, initialised=True))
-        for island, led in snap.ledgers.items():
-            if 0 <= island < self.config.islands:
-                ledger = self.islands[island].ledger
-                ledger.merges, ledger.steps, ledger.tokens = led["merges"], led["steps"], led["tokens"]
-        self.fingerprint = snap.fingerprint
-        self.fragments = frags
-        self._size_pool()
-        self.next_open = self.next_commit = snap.next_round
-        log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(self.versions()), snap.next_round)
