@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("--insecure: messages are UNAUTHENTICATED and UNENCRYPTED; anyone who can reach %s can push "
                     "deltas or exhaust the syncer's memory", args.bind)
     else:
-        log.info("transport: CurveZMQ, %s", f"{len(curve.allowed)} island keys from {curve.clients_dir}"
-                 if curve.clients_dir else "keys derived from the shared HMAC key")
+        log.info("transport: %s", f"CurveZMQ, {len(curve.allowed)} island keys from {curve.clients_dir}"
+                 if curve.clients_dir else "HMAC mode: PLAIN handshake with a key-derived password, keyed digests, "
+                 "not encrypted (docs/SECURITY.md)")
     # Received parts are malloc'd and freed by libzmq at tens of MiB per second: keep such
     # blocks mapped-and-unmapped so transient buffers never stay resident (diloco.hostmem).
     set_malloc_thresholds(mmap_bytes=1 << 20, trim_bytes=64 << 20)
