@@ -28,7 +28,8 @@ merged twice.  INIT streams restart from part 0 on the new connection; pushes ar
 dropped (the syncer pulls again).
 
 The I/O thread never dies silently: anything unexpected on it becomes a fatal
-:class:`SyncError` that the boundary raises on every rank.
+:class:`SyncError` that the boundary raises on every rank.  The receive rules (opening,
+session checks, assembly, what each ERROR code means) are ``diloco.island.inbox``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.island.inbox import Inbox, PendingBcast, SyncError, _Assembly
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, Stream
 
@@ -54,35 +56,10 @@ log = logging.getLogger(__name__)
 Tensors = list[tuple[str, torch.Tensor]]
 
 _POLL_MS = 50
-_FATAL_CODES = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", "fragments_mismatch",
-                          "bad_fingerprint", "bad_fragments", "bad_dtype", "finished", "fragment_too_large",
-                          "bad_init"})
-"""ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
-_REJOIN_CODES = frozenset({"not_bound", "unknown_generation"})
-_IN_USE_RETRY_S = 1.0
-"""A HELLO refused with ``island_in_use`` before we were ever welcomed is retried this often (the
-previous process of this island id may just have died: its binding lapses after --dead-after-s);
-``wait_welcome`` turns it into a fatal error at its timeout. Once welcomed, it is fatal at once."""
-"""ERROR codes meaning the syncer lost our binding (it restarted): say HELLO again."""
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 10.0
 _WINDOW = 2
 """Parts of our streams that zmq may hold at once (see ``diloco.wire.pacing``)."""
-
-
-class SyncError(RuntimeError):
-    """The syncer refused this island for good (e.g. a layout fingerprint mismatch)."""
-
-
-@dataclass
-class PendingBcast:
-    """The newest not-yet-applied global value of one fragment."""
-
-    fragment: int
-    version: int
-    round: int
-    cut: bool
-    tensors: Tensors
 
 
 @dataclass
@@ -118,16 +95,7 @@ class _Outgoing:
     stream: Stream | None = None
 
 
-@dataclass
-class _Assembly:
-    """A BCAST or FINAL arriving part by part into one flat buffer."""
-
-    header: wire.Bcast | wire.Final
-    flat: torch.Tensor
-    next_part: int = 0
-
-
-class SyncClient:
+class SyncClient(Inbox):
     """One island's DEALER connection to the syncer, driven by a background thread.
 
     Args:
@@ -333,6 +301,11 @@ class SyncClient:
         self._thread.join(timeout=linger_s + 1.0)
 
     # ------------------------------------------------------------------ I/O thread
+    def _resend_final_ack(self) -> None:
+        """Queue our FINAL_ACK again (a redial after we acknowledged: the syncer forgot it)."""
+        assert self._final_ack is not None
+        self._control.put(_Outgoing(self._final_ack))
+
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise SyncError(self._fatal)
@@ -569,196 +542,3 @@ class SyncClient:
             return msgspec.structs.replace(header, generation=gen)
         return header
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> bool:
-        """Handle one message from the syncer; True asks the I/O loop to redial.
-
-        Counted once handled, so a reader that sees the counter move also sees its effect.
-        """
-        try:
-            return self._handle(frames)
-        finally:
-            total = sum(len(f.buffer) for f in frames)
-            data = sum(len(f.buffer) for f in frames[2:])
-            self.stats.messages_recv += 1
-            self.stats.bytes_recv += total
-            self.stats.data_bytes_recv += data
-            self.stats.control_bytes_recv += total - data
-
-    def _refuse(self, what: str) -> bool:
-        self.stats.refused += 1
-        log.warning("island %d: refused %s", self._cfg.island_id, what)
-        return False
-
-    def _check_session(self, opened: wire.Opened) -> str | None:
-        """Why a message does not belong to this connection (None if it does); see docs/SECURITY.md.
-
-        Before WELCOME only the WELCOME answering our HELLO (it echoes our generation and opens
-        the session) and ERRORs to an unbound peer (nonce 0) are taken; after it, every message
-        carries the session nonce and a strictly increasing sequence number, except an ERROR of a
-        restarted syncer that no longer knows us (nonce 0, a rejoin code: we say HELLO again)."""
-        h = opened.header
-        if isinstance(h, wire.Welcome):
-            if self._nonce or h.generation != self._generation or not h.nonce or opened.nonce != h.nonce:
-                return f"a WELCOME of another connection (generation {h.generation:x}, session {self._nonce:x})"
-        elif opened.nonce == 0 and isinstance(h, wire.Error) and (not self._nonce or h.code in _REJOIN_CODES):
-            return None
-        elif not self._nonce or opened.nonce != self._nonce:
-            return f"{wire.kind_of(h)} with nonce {opened.nonce:x}, not this connection's {self._nonce:x}"
-        elif opened.seq <= self._recv_seq:
-            return f"{wire.kind_of(h)} with sequence number {opened.seq} <= {self._recv_seq} (a replay)"
-        self._recv_seq = opened.seq
-        return None
-
-    def _handle(self, frames: list[zmq.Frame]) -> bool:
-        try:
-            opened = wire.open_message(frames, key=self._cfg.key)
-        except wire.WireError as exc:
-            return self._refuse(f"a message from the syncer: {exc.reason}")
-        except Exception as exc:  # noqa: BLE001 - a decoder gap is a refusal, never a dead I/O thread
-            return self._refuse(f"an undecodable message from the syncer: {type(exc).__name__}: {exc}")
-        problem = self._check_session(opened)
-        if problem:
-            return self._refuse(problem)
-        h = opened.header
-        if isinstance(h, (wire.Bcast, wire.Final)):
-            try:
-                got = self._assemble(h, opened)
-            except Exception as exc:  # noqa: BLE001 - WireError, or a decoder gap: refuse the part
-                self._assembling.pop((wire.kind_of(h), h.fragment), None)
-                reason = exc.reason if isinstance(exc, wire.WireError) else f"{type(exc).__name__}: {exc}"
-                return self._refuse(f"{wire.kind_of(h)} part {h.part} of fragment {h.fragment}: {reason}")
-            if got is None:
-                return False
-            h, tensors = got
-        else:
-            if opened.metas:
-                self.stats.refused += 1
-                log.warning("island %d: refused %s carrying tensors", self._cfg.island_id, wire.kind_of(h))
-                return False
-            tensors = []
-        with self._lock:
-            if isinstance(h, wire.Welcome):
-                return self._on_welcome(h)
-            if isinstance(h, wire.Heartbeat):
-                if self._syncer_id is not None and h.syncer_id != self._syncer_id:
-                    log.warning("island %d: the syncer restarted (id %x -> %x), rejoining", self._cfg.island_id,
-                                self._syncer_id, h.syncer_id)
-                    return True
-                return False
-            if isinstance(h, wire.Pull):
-                self._on_pull(h)
-            elif isinstance(h, wire.Bcast):
-                self._on_bcast(h, tensors)
-            elif isinstance(h, wire.Final):
-                if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
-                    self._final[h.fragment] = (h, tensors)
-            elif isinstance(h, wire.Shutdown):
-                log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
-                self._shutdown = h.reason or "shutdown"
-            elif isinstance(h, wire.Error):
-                if h.code in _REJOIN_CODES:
-                    # The syncer does not know our generation: it restarted (or dropped us).
-                    log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
-                                h.code, h.reason)
-                    return True
-                log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
-                if h.code == "island_in_use":
-                    self._last_refusal = f"[{h.code}] {h.reason}"
-                    if self._syncer_id is None:
-                        self._redial_delay = _IN_USE_RETRY_S  # the old process may just have died
-                        return True
-                    self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
-                elif h.code == "stale_base" and 0 <= h.fragment < self._n_fragments:
-                    # The syncer sends the fragment's current value, then this PULL again: answer it.
-                    self._pulls_taken.pop((h.fragment, h.round), None)
-                    self._stale.append((h.fragment, h.round))
-                if h.code in _FATAL_CODES:
-                    self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
-            else:
-                log.warning("island %d: unexpected %s from the syncer ignored", self._cfg.island_id, type(h).__name__)
-            self._wake.notify_all()
-        return False
-
-    def _assemble(self, h: wire.Bcast | wire.Final, opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors] | None:
-        """Place one BCAST/FINAL part; the whole fragment once its last part is in (else None).
-
-        Parts of one stream arrive in order on our connection; a part 0 of a newer
-        version replaces an unfinished older one (the newer value supersedes it)."""
-        if not 0 <= h.fragment < self._n_fragments or h.version < 0:
-            raise wire.WireError(f"fragment {h.fragment} / version {h.version} outside the plan")
-        kind = wire.kind_of(h)
-        dtype = "float32" if isinstance(h, wire.Final) else wire.bcast_dtype(self._cfg.wire_dtype)
-        layout = self._layouts[h.fragment]
-        problem = layout.check_part(opened.metas, h.part, h.n_parts, self._part_elems, dtype)
-        if problem:
-            raise wire.WireError(problem)
-        key = (kind, h.fragment)
-        asm = self._assembling.get(key)
-        if h.part == 0:
-            asm = self._assembling[key] = _Assembly(h, self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype]))
-        elif asm is None or asm.next_part != h.part or asm.header.version != h.version:
-            raise wire.WireError(f"part {h.part} of version {h.version} out of order")
-        lo, _hi = layout.part_range(h.part, self._part_elems)
-        dests, pos = [], lo
-        for meta in opened.metas:
-            n = meta.shape[0]
-            dests.append(asm.flat[pos : pos + n])
-            pos += n
-        opened.copy_into(dests)
-        asm.next_part += 1
-        if asm.next_part < h.n_parts:
-            return None
-        del self._assembling[key]
-        return asm.header, layout.flat_views(asm.flat)
-
-    def _on_welcome(self, h: wire.Welcome) -> bool:
-        problem = wire.check_part_elems(h.part_elems)
-        if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments or problem:
-            self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments "
-                           f"({problem or 'parts ok'}), we speak {wire.PROTOCOL_VERSION} with {self._n_fragments}")
-        else:
-            if self._syncer_id is not None and h.syncer_id != self._syncer_id:
-                # A restarted syncer may have resumed an older checkpoint: its versions are
-                # the truth now, so the version floor restarts and its cut is installed.
-                log.warning("island %d: joined a new syncer instance; accepting its cut", self._cfg.island_id)
-                self._accepted_version = [-1] * self._n_fragments
-                self._bcasts.clear()
-                if self._feedback is not None:
-                    self._feedback.reset_all()
-            if self._final_ack is not None and h.syncer_id == self._syncer_id:
-                # A redial after we acknowledged the final cut: the syncer forgot the ack.
-                self._control.put(_Outgoing(self._final_ack))
-            self._syncer_id = h.syncer_id
-            self._part_elems = h.part_elems
-            self._nonce = h.nonce
-            self._welcome = h
-            self._last_refusal = None
-        self._wake.notify_all()
-        return False
-
-    def _on_pull(self, h: wire.Pull) -> None:
-        if not 0 <= h.fragment < self._n_fragments or h.round < 1 or h.attempt < 0:
-            log.warning("island %d: malformed PULL %s ignored", self._cfg.island_id, h)
-            return
-        key = (h.fragment, h.round)
-        taken = self._pulls_taken.get(key, -1)
-        if h.attempt <= taken:
-            return  # a resent copy of a pull we already answered
-        queued = self._pulls.get(key)
-        if queued is None or h.attempt > queued.attempt:
-            self._pulls[key] = h
-        # Forget answered pulls of rounds long gone, keeping the table small.
-        if len(self._pulls_taken) > 4 * self._n_fragments + 16:
-            for k in sorted(self._pulls_taken, key=lambda k: k[1])[: len(self._pulls_taken) // 2]:
-                del self._pulls_taken[k]
-
-    def _on_bcast(self, h: wire.Bcast, tensors: Tensors) -> None:
-        if self._final or self._final_ack is not None:
-            return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
-        floor = self._accepted_version[h.fragment]
-        if h.version <= floor:
-            return  # an identical replay or an older value
-        self._accepted_version[h.fragment] = h.version
-        if h.cut and self._feedback is not None:
-            self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
-        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors)
