@@ -24,7 +24,7 @@ with ``q4_status`` saying why (a hook, never a made-up number).
 Every run is ``diloco.demo.runner.run_demo`` (the demo's own machinery). Usage::
 
     python benchmarks/bench_quality.py [--steps 240] [--sync-every H] [--outer-lr LR]
-        [--outer-momentum M] [--fragments F] [--four] [--bf16] [--q4] [--out DIR]
+        [--outer-momentum M] [--fragments F] [--lr INNER_LR] [--four] [--bf16] [--q4] [--out DIR]
 
 Takes a few minutes on 2 cores. Human-readable lines first; the last line is one JSON object.
 """
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help=f"outer learning rate (default {d.outer_lr})")
     p.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
                    help=f"outer Nesterov momentum (default {d.outer_momentum})")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help=f"inner Adam learning rate of every run: alone, islands and dp-bound (default {d.lr})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"model width (default {d.hidden})")
     p.add_argument("--layers", type=int, default=d.layers, help=f"layers (default {d.layers})")
     p.add_argument("--four", action="store_true", help="also 4 islands (vs alone and a 4x-batch bound)")
@@ -141,14 +143,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = DemoSettings(islands=2, layouts=("tp1",), steps=a.steps, sync_every=a.sync_every, fragments=a.fragments,
-                        outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, hidden=a.hidden, layers=a.layers,
-                        out=a.out, overwrite=True, baseline=True, dp_bound=True, timeout_s=1200.0)
+                        outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, lr=a.lr, hidden=a.hidden,
+                        layers=a.layers, out=a.out, overwrite=True, baseline=True, dp_bound=True, timeout_s=1200.0)
     try:
         base.validate()
     except DemoConfigError as exc:
         p.error(str(exc))
     print(f"bench_quality: {a.steps} steps, H={a.sync_every}, {a.fragments} fragments, outer lr {a.outer_lr}, "
-          f"momentum {a.outer_momentum}, hidden {a.hidden} x {a.layers} layers; runs in {os.path.abspath(a.out)}",
+          f"momentum {a.outer_momentum}, inner lr {a.lr}, hidden {a.hidden} x {a.layers} layers; "
+          f"runs in {os.path.abspath(a.out)}",
           flush=True)
     two = _run(base, "islands2")
     ref = _baselines(base, "baselines", a.reuse_baselines)

@@ -1,0 +1,297 @@
+"""Start-up and finalization of the island's DiLoCo driver (see ``diloco.island.boundary``).
+
+A mixin of :class:`diloco.island.boundary.Island`, kept apart so the boundary's module reads
+as the step boundary (orders, install, stage, push) and this one as the two ends of a run:
+``start`` (HELLO, INIT streamed while the next fragment is gathered, the initial cut installed
+fragment by fragment as it lands) and ``finish`` (the flush rounds answered with each
+fragment's real remaining delta, the final cut installed unblended and acknowledged with the
+digests of what was installed, SHUTDOWN).  Both are collective: the sync rank decides, every
+rank executes the same orders, and every wait is bounded (a lost cut makes the client rejoin,
+a silent syncer ends in IslandError on every rank).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from diloco import wire
+from diloco.config import IslandConfig
+from diloco.digest import tensor_digest
+from diloco.island.background import Background
+from diloco.island.client import PendingBcast, SyncClient, SyncError
+from diloco.island.datapath import DataPath
+from diloco.island.orders import Orders, broadcast_orders
+from diloco.island.transfer import FragmentTransfer
+from diloco.plan import FragmentPlan
+from diloco.steplog import BoundaryRecord, StepLog
+
+log = logging.getLogger("diloco.island.boundary")
+
+Tensors = list[tuple[str, torch.Tensor]]
+
+_INIT_INFLIGHT = 2
+"""Fragments the sync rank may hold during INIT: one being sent, one being gathered."""
+
+
+class StartFinish:
+    """``start`` and ``finish`` (methods of ``Island``)."""
+
+    # Provided by Island.
+    cfg: IslandConfig
+    group: dist.ProcessGroup
+    is_sync: bool
+    plan: FragmentPlan
+    fingerprint: str
+    transfer: FragmentTransfer
+    data: DataPath
+    bg: Background
+    client: SyncClient | None
+    versions: list[int]
+    step: int
+    _tokens_given: bool
+    _pending: dict[int, PendingBcast]
+    _staging: dict
+    _snap_round: dict[int, int]
+    _steplog: StepLog | None
+
+    if TYPE_CHECKING:
+        def _raise_if(self, orders: Orders) -> None: ...
+        def _fail(self, why: str) -> NoReturn: ...
+        def _collect(self) -> None: ...
+        def _take_applies(self) -> list[tuple[int, int, int, bool]]: ...
+        def _apply_sync(self, orders: Orders, events: list[dict]) -> float: ...
+        def _exchange(self, orders: Orders | None) -> Orders: ...
+        def _install_all(self, orders: Orders, events: list[dict]) -> float: ...
+        def _stage_all(self, orders: Orders) -> None: ...
+        def _push_all(self, orders: Orders, events: list[dict]) -> float: ...
+        def _decide(self, finishing: bool) -> Orders: ...
+        def _check_values(self, f: int, tensors: Tensors) -> str | None: ...
+        def _end_boundary(self, phase: str, step: int, t0: float, step_s: float, export_s: float, apply_s: float,
+                          wait_s: float, events: list[dict], loss: float | None) -> BoundaryRecord: ...
+
+    def start(self) -> BoundaryRecord:
+        """Connect, stream INIT if asked, install the initial cut (collective).
+
+        Returns what start-up did (phase ``"start"``; also the step log's first record)."""
+        t0 = time.monotonic()
+        events: list[dict] = []
+        need_init = False
+        error: str | None = None
+        if self.is_sync:
+            self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan))
+            try:
+                welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
+                need_init = welcome.need_init and self.cfg.island_id == 0
+                if welcome.weighting == "tokens" and not self._tokens_given:
+                    raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
+                                    "not know its tokens per step: pass Island(tokens_per_step=...) or set "
+                                    "YETO_DILOCO_TOKENS_PER_STEP, or run the syncer with --weighting steps")
+                log.info("island %d joined the syncer: %d fragments, versions %s%s", self.cfg.island_id,
+                         self.plan.n_fragments, list(welcome.versions), ", streaming INIT" if need_init else "")
+            except (TimeoutError, SyncError) as exc:
+                error = str(exc)
+        orders = broadcast_orders(Orders(init=need_init, error=error) if self.is_sync else None, self.group,
+                                  self.cfg.sync_rank)
+        self._raise_if(orders)
+        if orders.init:
+            self._stream_init(events)
+        apply_s = 0.0
+        if self.cfg.initial_cut_timeout_s > 0:
+            apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
+        # Snapshot / staging buffers (pinned on accelerators) now, so no step pays for them.
+        ta = time.monotonic()
+        nbytes = self.data.preallocate()
+        if self.is_sync:
+            log.info("island %d: %.0f MiB of transfer buffers allocated in %.2fs", self.cfg.island_id,
+                     nbytes / 2**20, time.monotonic() - ta)
+        return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
+
+    def _stream_init(self, events: list[dict]) -> None:
+        """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
+        inflight: collections.deque = collections.deque()
+        t0 = time.monotonic()
+        total = sum(self.plan.nbytes(f) for f in range(self.plan.n_fragments))
+        sent = 0
+        for f in range(self.plan.n_fragments):
+            error = None
+            if self.is_sync:
+                while len(inflight) >= _INIT_INFLIGHT:
+                    if not inflight.popleft().wait(self.cfg.connect_timeout_s):
+                        error = f"INIT fragment send timed out after {self.cfg.connect_timeout_s:.0f}s"
+                        break
+            self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
+                                            self.cfg.sync_rank))
+            values = self.transfer.export_fragment(f, delta=False)
+            if self.is_sync:
+                assert self.client is not None and values is not None
+                inflight.append(self.client.send_init(f, values))
+                events.append({"type": "init", "fragment": f,
+                               "data_bytes": sum(t.numel() * t.element_size() for _, t in values)})
+                del values
+                sent += self.plan.nbytes(f)
+                log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
+                         sent / 2**20, total / 2**20, time.monotonic() - t0)
+        error = None
+        if self.is_sync:
+            for ev in inflight:
+                if not ev.wait(self.cfg.connect_timeout_s):
+                    error = "INIT send did not complete"
+        self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
+                                        self.cfg.sync_rank))
+
+    def _install_initial_cut(self, timeout_s: float, events: list[dict]) -> float:
+        """Before the first step: install each cut fragment as it lands, collectively.
+        Returns the seconds spent applying."""
+        deadline = time.monotonic() + timeout_s
+        apply_s = 0.0
+        progress_at, had = time.monotonic(), -1
+        while True:
+            orders = None
+            if self.is_sync:
+                assert self.client is not None
+                try:
+                    have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
+                    if len(have) != had:
+                        progress_at, had = time.monotonic(), len(have)
+                    elif time.monotonic() - progress_at > self.cfg.sync_timeout_s:
+                        # A lost cut message (a connection reset) is never resent on its own: rejoin,
+                        # and the syncer sends the whole cut again.
+                        self.client.rejoin()
+                        progress_at = time.monotonic()
+                    if len(have) < self.plan.n_fragments:
+                        self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
+                    self._collect()
+                    orders = Orders(applies=self._take_applies())
+                    got = {f for f, *_ in orders.applies} | {f for f in range(self.plan.n_fragments)
+                                                            if self.versions[f] >= 0}
+                    if len(got) == self.plan.n_fragments:
+                        orders.stop = "cut installed"
+                    elif time.monotonic() >= deadline:
+                        orders.stop = "initial cut timeout"
+                        log.warning("initial cut: %d of %d fragments after %.0fs; the rest is applied at the "
+                                    "step boundaries", len(got), self.plan.n_fragments, timeout_s)
+                except SyncError as exc:
+                    orders = Orders(error=str(exc))
+            orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
+            self._raise_if(orders)
+            apply_s += self._apply_sync(orders, events)
+            if self.is_sync and orders.applies:
+                done = sum(v >= 0 for v in self.versions)
+                log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
+                         timeout_s - max(0.0, deadline - time.monotonic()))
+            if orders.stop:
+                return apply_s
+
+    def finish(self) -> list[int]:
+        """After the last step: keep answering rounds (the syncer's flush rounds take each
+        fragment's real remaining delta and step count) until the final cut arrives, install
+        it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions."""
+        deadline = time.monotonic() + self.cfg.final_timeout_s
+        if self.is_sync:
+            assert self.client is not None
+            self.client.report_step(self.step, done=True)
+        acked = False
+        while True:
+            t0 = time.monotonic()
+            orders = None
+            if self.is_sync:
+                orders = self._finish_orders(deadline, acked)
+            orders = self._exchange(orders)
+            events: list[dict] = []
+            apply_s = self._install_all(orders, events)
+            self._stage_all(orders)
+            export_s = self._push_all(orders, events)
+            if orders.final:
+                self._drain("the final cut")
+                apply_s += self._install_final(events)
+                acked = True
+            if events:
+                self._end_boundary("finish", self.step, t0, 0.0, export_s, apply_s, 0.0, events, None)
+            if orders.stop:
+                break
+        self._drain("shutdown")
+        self.bg.close()
+        if self._steplog is not None:
+            self._steplog.close()
+        if self.client is not None:
+            self.client.close()
+        return list(self.versions)
+
+    def _drain(self, why: str) -> None:
+        """Collective: wait for every background job on every rank, and agree that none failed.
+
+        The final cut writes masters and anchors the background may still read, and the
+        client must have every push before it closes."""
+        if not self.bg.drain():
+            self.bg.fail(f"background jobs did not finish within {self.cfg.transfer_timeout_s:.0f}s before {why}")
+        self._exchange(Orders() if self.is_sync else None)
+        self._staging.clear()
+        self._snap_round.clear()
+
+    def _finish_orders(self, deadline: float, acked: bool) -> Orders:
+        assert self.client is not None
+        try:
+            self.client.wait_event(0.05)
+            if acked:
+                if self.client.shutdown_reason is not None:
+                    return Orders(stop=self.client.shutdown_reason)
+                if time.monotonic() > deadline:
+                    return Orders(error=f"no SHUTDOWN from the syncer within {self.cfg.final_timeout_s:.0f}s")
+                return Orders()  # the final cut is installed: nothing is applied or pushed after it
+            else:
+                finals = self.client.final_fragments()
+                if finals is not None:
+                    problems = [p for f, (_, t) in finals.items() if (p := self._check_values(f, t))]
+                    if problems:
+                        return Orders(error=f"the syncer's final cut does not match our plan: {problems[0]}")
+                    return Orders(final=True)
+            if time.monotonic() > deadline:
+                what = "SHUTDOWN" if acked else "the final cut"
+                return Orders(error=f"no {what} from the syncer within {self.cfg.final_timeout_s:.0f}s")
+            if self.client.shutdown_reason is not None and not acked:
+                return Orders(error=f"the syncer shut down before sending the final cut: "
+                                    f"{self.client.shutdown_reason}")
+            self._collect()
+            return self._decide(finishing=True)
+        except SyncError as exc:
+            return Orders(error=str(exc))
+
+    def _install_final(self, events: list[dict]) -> float:
+        t0 = time.monotonic()
+        finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
+        data_bytes = 0
+        digests: list[str] = []
+        for f in range(self.plan.n_fragments):
+            values = None
+            if finals is not None:
+                data_bytes += sum(t.numel() * t.element_size() for _, t in finals[f][1])
+                values = _fp32(finals[f][1])
+                digests.append(tensor_digest(values))  # what we install: the syncer checks it
+            self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
+        self.transfer.refresh(range(self.plan.n_fragments))
+        # Every rank learns the final versions from one broadcast (the manifest).
+        vers = torch.tensor(list(finals[0][0].versions) if finals is not None else [0] * self.plan.n_fragments,
+                            dtype=torch.int64)
+        dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
+        self.versions = [int(v) for v in vers]
+        if self.is_sync and self.client is not None:
+            self.client.send_final_ack(self.versions, digests)
+        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
+        if self.is_sync:
+            log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
+        return time.monotonic() - t0
+
+
+def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:
+    """The flat stream of every fragment (names and global shapes in plan order)."""
+    return [wire.FragmentLayout.of([(s.name, s.shape) for s in plan.specs_of(f)]) for f in range(plan.n_fragments)]
+
+
+def _fp32(tensors: Tensors) -> Tensors:
+    return [(name, t if t.dtype == torch.float32 else t.to(torch.float32)) for name, t in tensors]
