@@ -206,7 +206,7 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5) -> d
     value0 = torch.randn(numel, generator=gen)
     deltas = [torch.randn(numel, generator=gen) * 0.01 for _ in range(islands)]
     weights = [1000 + 17 * i for i in range(islands)]
-    hyper = OuterHyper()
+    hyper = OuterHyper(lr=0.7, momentum=0.9)  # the full Nesterov step: the most work per element
     part_elems = 8 << 20
     layout = wire.FragmentLayout.of([("w", (numel,))])
     n_parts = layout.n_parts(part_elems)

@@ -26,12 +26,18 @@ class OuterHyper:
     """Hyper-parameters of the outer Nesterov step.
 
     Attributes:
-        lr: outer learning rate (``--outer-lr``), default 0.7 as in DiLoCo.
-        momentum: Nesterov momentum ``mu`` (``--outer-momentum``), default 0.9.
+        lr: outer learning rate (``--outer-lr``), default 1.0.
+        momentum: Nesterov momentum ``mu`` (``--outer-momentum``), default 0.0.
+
+    The defaults are plain averaging: the merged value is the weighted mean of the islands'
+    values. It was the best setting of every run of ``benchmarks/bench_quality.py`` (up to 24
+    outer steps per fragment), where DiLoCo's published 0.7 / 0.9 overshoots (4-14 % worse
+    held-out loss); 0.7 / 0.9 is meant for runs of hundreds of outer steps per fragment
+    (docs/PERFORMANCE.md, "Quality").
     """
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = 1.0
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.lr > 0.0 and self.lr == self.lr and self.lr != float("inf")):

@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--islands", type=int, required=True, help="number of islands (ids 0..N-1)")
     p.add_argument("--quorum", type=int, default=0, help="K pushes that may close a round after the grace window (default: all islands)")
     p.add_argument("--sync-every", type=int, default=100, help="H: inner steps between two syncs of one fragment")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    p.add_argument("--outer-lr", type=float, default=1.0,
+                   help="outer Nesterov learning rate (1.0 with momentum 0: plain averaging; docs/PERFORMANCE.md)")
+    p.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="outer Nesterov momentum (DiLoCo's 0.9, with --outer-lr 0.7, needs hundreds of outer steps)")
     p.add_argument("--quorum-timeout-s", type=float, default=600.0, help="seconds an attempt waits for K pushes before re-pulling")
     p.add_argument("--grace-ms", type=float, default=2000.0, help="ms a round with >= K pushes waits for stragglers")
     p.add_argument("--total-steps", type=int, default=0, help="last inner step (0: finalize when islands report done)")

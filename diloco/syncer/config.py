@@ -60,8 +60,8 @@ class SyncerConfig:
     islands: int
     quorum: int = 0
     sync_every: int = 100
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     quorum_timeout_s: float = 600.0
     grace_ms: float = 2000.0
     total_steps: int = 0

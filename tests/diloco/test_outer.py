@@ -41,7 +41,7 @@ def test_push_weight_rules() -> None:
 
 def test_outer_hyper_validation() -> None:
     h = OuterHyper()
-    assert (h.lr, h.momentum) == (0.7, 0.9)
+    assert (h.lr, h.momentum) == (1.0, 0.0)
     assert OuterHyper(lr=1e-3, momentum=0.0).momentum == 0.0
     for bad in ({"momentum": 1.0}, {"momentum": -0.1}, {"lr": 0.0}, {"lr": -1.0}, {"lr": math.nan},
                 {"lr": math.inf}):

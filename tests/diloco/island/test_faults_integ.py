@@ -5,6 +5,7 @@ FINAL_ACK digests: its exit code is 0 only if they matched) and no push counted 
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -57,3 +58,36 @@ def test_island_kill_loop_and_a_syncer_kill(tmp_path) -> None:
         raise
     _finish(run)
     assert run.figures["island_kills"] == 5 and run.figures["syncer_kills"] == 1
+
+
+def test_syncer_gone_for_a_long_while(tmp_path) -> None:
+    """The syncer is SIGKILLed and stays away for 10 s, over twice YETO_SYNC_TIMEOUT_S and three
+    times --dead-after-s: the islands keep training meanwhile (no step waits on the syncer), redial
+    with backoff, rejoin the resumed syncer and end bitwise equal to its final checkpoint."""
+    run = Run(tmp_path, steps=160)
+    run.start()
+    try:
+        deadline = time.monotonic() + 90
+        while len(run.commits()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(run.commits()) >= 2, run.syncer_logs()[-3000:]
+        run.kill_syncer()
+        gone = time.time()
+        time.sleep(10.0)
+        back = time.time()
+        run.start_syncer(resume=True)
+    except BaseException:
+        run.stop()
+        raise
+    _finish(run)
+    trained_meanwhile = {}
+    for i in range(run.islands):
+        rows = [json.loads(line) for line in (tmp_path / f"island{i}.steplog.jsonl").read_text().splitlines()]
+        trained_meanwhile[i] = sum(1 for r in rows if r["phase"] == "train" and gone + 1.0 < r["time"] < back)
+        stats = json.loads((tmp_path / f"island{i}.json").read_text())["stats"]
+        assert stats["redials"] >= 1, (i, stats)
+    # Steps of 0.05 s or more: 9 s away leaves room for at most ~180; every island that was
+    # still training trained on (one that had already finished waits for the final cut).
+    assert max(trained_meanwhile.values()) >= 20, trained_meanwhile
+    resumed = (tmp_path / "syncer1.log").read_text()
+    assert "resumed:" in resumed and "commit round" in resumed, resumed[-3000:]

@@ -36,7 +36,9 @@ class SyncerProc:
         env["OMP_NUM_THREADS"] = "1"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--status-every-s", "0.5", *args],
+            [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--status-every-s", "0.5",
+             # DiLoCo's Nesterov step (not the plain-averaging default): the references check momentum too.
+             "--outer-lr", "0.7", "--outer-momentum", "0.9", *args],
             stdout=subprocess.DEVNULL, stderr=self._log, env=env, cwd=str(tmp),
         )
         deadline = time.monotonic() + 60

@@ -25,7 +25,7 @@ SCHEMA = [("a", (5001,)), ("b", (3, 1000))]  # 8001 elements: 2 parts, an odd la
 DTYPES = ["q4", "float32", "int8"]
 GEN = [11, 22, 33]
 CFG = SyncerConfig(islands=3, quorum=3, sync_every=2, grace_ms=0.0, quorum_timeout_s=30.0, part_elems=E,
-                   quant_block=BLOCK, checkpoint_every=0)
+                   quant_block=BLOCK, checkpoint_every=0, outer_lr=0.7, outer_momentum=0.9)
 
 
 def peer(i: int) -> bytes:

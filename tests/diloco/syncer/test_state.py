@@ -42,6 +42,7 @@ E = 4096
 CFG = SyncerConfig(
     islands=3, quorum=2, sync_every=4, quorum_timeout_s=10.0, grace_ms=100.0,
     dead_after_s=30.0, final_timeout_s=5.0, checkpoint_every=1, part_elems=E,
+    outer_lr=0.7, outer_momentum=0.9,  # DiLoCo's Nesterov step: the references check the momentum path too
 )
 # fragment 0: a (3,), b (2, 4100): 8203 elements, 3 parts; fragment 1: c (4,), 1 part.
 # With H=4, P=2 round t opens when the 2nd fastest island reaches step 2t.
