@@ -104,6 +104,8 @@ class DemoSettings:
     """``--device``: cpu, or cuda (every rank on a visible GPU)."""
     ranks_per_node: int = 0
     """``--ranks-per-node``: > 0 installs the gloo bridge in the islands."""
+    syncer_args: tuple[str, ...] = ()
+    """More ``yeto-syncer`` flags (benchmarks compare syncer settings the demo does not expose)."""
 
     def layout_of(self, island: int) -> str:
         return self.layouts[island % len(self.layouts)]
@@ -236,7 +238,7 @@ def run_demo(settings: DemoSettings, with_islands: bool = True) -> dict[str, Any
                 "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4", "--key-file", key_file,
                 "--event-log", os.path.join(out, "events.jsonl"), "--quorum-timeout-s", "120",
                 "--final-timeout-s", "300", "--outer-lr", str(s.outer_lr),
-                "--outer-momentum", str(s.outer_momentum)])
+                "--outer-momentum", str(s.outer_momentum), *s.syncer_args])
             for i, lay in enumerate(layouts):
                 spawn(f"island{i}", [*island, "--name", f"island{i}", "--island-id", str(i), "--layout", lay,
                                      "--sync-addr", addr, "--data-seed", str(i), "--start-together",
@@ -350,6 +352,7 @@ def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool, with_islands
         "fragments": s.fragments,
         "outer_lr": s.outer_lr,
         "outer_momentum": s.outer_momentum,
+        "flush_merge": dict(zip(s.syncer_args[::2], s.syncer_args[1::2])).get("--flush-merge", "mean"),
         "wire_dtype": s.wire_dtype,
         "micro_batch": s.micro_batch,
         "lr": s.lr,

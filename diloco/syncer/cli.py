@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of the admitted islands' public certificates (*.key); SIGHUP re-reads it")
     p.add_argument("--insecure", action="store_true",
                    help="run with neither Curve nor an HMAC key: anyone who reaches --bind can push deltas")
+    p.add_argument("--flush-merge", default="mean", choices=("mean", "outer"),
+                   help="flush rounds (after every island finished) merge by the weighted mean of the final deltas "
+                        "(mean: the final cut is the islands' mean) or by the training rounds' outer step (outer)")
     p.add_argument("--weighting", default="tokens", choices=("tokens", "steps", "equal"),
                    help="merge weights: tokens (pushes must report tokens > 0), steps, or equal")
     p.add_argument("--dead-after-s", type=float, default=120.0, help="an island silent this long leaves the live set")
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             total_steps=args.total_steps,
             checkpoint_every=args.checkpoint_every,
             weighting=args.weighting,
+            flush_merge=args.flush_merge,
             dead_after_s=args.dead_after_s,
             final_timeout_s=args.final_timeout_s,
             join_timeout_s=args.join_timeout_s,

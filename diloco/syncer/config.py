@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 WEIGHTINGS = ("tokens", "steps", "equal")
+FLUSH_MERGES = ("mean", "outer")
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,11 @@ class SyncerConfig:
             evicted from rounds until it says HELLO again (``--max-refusals``).
         quant_block: elements per scale of ``int8`` / ``q4`` pushes (``--quant-block``); an
             island with another block size is refused at HELLO.
+        flush_merge: how flush rounds merge (``--flush-merge``): ``mean`` (default) moves the
+            value by the weighted mean of the final deltas, so the final cut is exactly the
+            islands' weighted mean whatever the outer optimizer; ``outer`` takes the same outer
+            step as a training round. No inner step follows a flush to correct an outer
+            step's extrapolation (lr > 1, momentum): it would land in the final model as is.
     """
 
     islands: int
@@ -75,6 +81,7 @@ class SyncerConfig:
     max_fragment_bytes: int = 32 << 30
     quant_block: int = 64
     max_refusals: int = 5
+    flush_merge: str = "mean"
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -94,6 +101,7 @@ class SyncerConfig:
         need(math.isfinite(self.grace_ms) and self.grace_ms >= 0, "--grace-ms", f"must be >= 0, got {self.grace_ms}")
         need(isinstance(self.total_steps, int) and self.total_steps >= 0, "--total-steps", f"must be >= 0, got {self.total_steps}")
         need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
+        need(self.flush_merge in FLUSH_MERGES, "--flush-merge", f"must be one of {FLUSH_MERGES}, got {self.flush_merge!r}")
         need(self.weighting in WEIGHTINGS, "--weighting", f"must be one of {WEIGHTINGS}, got {self.weighting!r}")
         need(math.isfinite(self.dead_after_s) and self.dead_after_s > 0, "--dead-after-s", f"must be > 0, got {self.dead_after_s}")
         need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")

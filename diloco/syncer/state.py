@@ -80,6 +80,8 @@ class SyncerState(Admission, Recovery, RoundClock):
         self.config = config
         self.syncer_id = syncer_id if syncer_id is not None else random.getrandbits(63)
         self.hyper = OuterHyper(lr=config.outer_lr, momentum=config.outer_momentum)
+        self.flush_hyper = OuterHyper(lr=1.0, momentum=0.0) if config.flush_merge == "mean" else self.hyper
+        """The flush rounds' step: the plain weighted mean by default (``--flush-merge``)."""
         self.pool = HostBufferPool(max_idle_bytes=2 << 30)
         """Sum / value / momentum buffers: a freed value becomes the next round's sum."""
         self.islands = [IslandRecord(i) for i in range(config.islands)]
@@ -494,10 +496,11 @@ class SyncerState(Admission, Recovery, RoundClock):
         n = frag.layout.n_parts(E)
         r.commit_parts_left = n
         frag.committing = True
+        hyper = self.flush_hyper if r.flush else self.hyper
         for k in range(n):
             lo, hi = frag.layout.part_range(k, E)
             self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
-                                        r.sum, total, self.hyper, frag.layout, E, dtypes, frag.version + 1,
+                                        r.sum, total, hyper, frag.layout, E, dtypes, frag.version + 1,
                                         self.digest_seed))
 
     def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:

@@ -486,3 +486,42 @@ def test_reconnect_mid_push_repulls_at_once() -> None:
         assert not errors(d.send_all(peer(i), msgs, now=3.0))
     assert d.st.versions() == (1,)
     check_commit(d, v0, m0, {i: delta(i, 1) for i in range(3)}, d.st.events[-1])
+
+
+@pytest.mark.parametrize("merge", ["mean", "outer"])
+def test_flush_round_merges_by_the_plain_mean_unless_told_otherwise(merge: str) -> None:
+    """A training round takes the Nesterov step (lr 0.7, momentum 0.9); the flush round after it
+    moves the value by exactly the weighted mean of the final deltas (``--flush-merge mean``,
+    the default), or by the same Nesterov step (``outer``): bitwise against numpy either way."""
+    cfg = replace(CFG, islands=2, quorum=0, sync_every=2, total_steps=3, flush_merge=merge)
+    d = started(cfg)
+    open_round(d, 1)
+    v0, m0 = frag_state(d)
+    deltas = {i: delta(i, 1) for i in range(2)}
+    for i in range(2):
+        d.send_all(peer(i), pushes(i, 1, steps=2, tokens=10 + i), now=1.0)
+    ev = [e for e in d.st.events if "round" in e][-1]
+    check_commit(d, v0, m0, deltas, ev)  # the training round: Nesterov
+    assert not ev["flush"]
+    # Both islands at the last step: no training round is left (round 2 would need step 4).
+    for i in range(2):
+        d.send(peer(i), hb(i, 3), now=2.0)
+    assert d.st.rounds[2].flush
+    v1, m1 = frag_state(d)
+    last = {i: delta(i, 2) for i in range(2)}
+    for i in range(2):
+        d.send_all(peer(i), pushes(i, 2, steps=1, tokens=5 + 2 * i, base=1), now=2.0)
+    ev = [e for e in d.st.events if "round" in e][-1]
+    assert ev["flush"] and ev["changed"] and d.st.phase == "final"
+    weights = {int(k): w for k, w in ev["weights"].items()}
+    lr, mu = (1.0, 0.0) if merge == "mean" else (0.7, 0.9)
+    ref, _ = reference_commit(v1, m1, {i: flat(t).numpy() for i, t in last.items()}, weights, ev["fold_order"], E,
+                              lr=lr, mu=mu)
+    v2, _ = frag_state(d)
+    assert bitwise(v2, ref)
+    if merge == "mean":
+        # The plain weighted mean, computed another way (float64), agrees to fp32 rounding.
+        mean = sum(w * flat(last[i]).double().numpy() for i, w in weights.items()) / sum(weights.values())
+        assert np.allclose(v2, v1 + mean, atol=1e-6)
+        assert not bitwise(v2, reference_commit(v1, m1, {i: flat(t).numpy() for i, t in last.items()}, weights,
+                                                ev["fold_order"], E)[0])

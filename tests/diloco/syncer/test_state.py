@@ -486,6 +486,8 @@ def test_config_errors_name_the_flag() -> None:
         SyncerConfig(islands=2, outer_momentum=1.0)
     with pytest.raises(ConfigError, match="--weighting"):
         SyncerConfig(islands=2, weighting="loss")
+    with pytest.raises(ConfigError, match="--flush-merge"):
+        SyncerConfig(islands=2, flush_merge="median")
     with pytest.raises(ConfigError, match="--part-mib"):
         SyncerConfig(islands=2, part_elems=1000)
     with pytest.raises(ConfigError, match="--part-mib"):
