@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco.syncer.checks import Dropped, Refused, check_schema
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.dataplane import InitPart, Result, Work
-from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundRecord
+from diloco.syncer.fields import StateFields
+from diloco.syncer.dataplane import InitPart, Result
+from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing
 from diloco.wire import (
     PROTOCOL_VERSION,
     PUSH_DTYPES,
@@ -29,7 +29,6 @@ from diloco.wire import (
     Error,
     FragmentLayout,
     Hello,
-    HostBufferPool,
     Init,
     Opened,
     Welcome,
@@ -43,32 +42,8 @@ log = logging.getLogger("diloco.syncer.state")
 MAX_FINGERPRINT_CHARS = 256
 
 
-class Admission:
+class Admission(StateFields):
     """HELLO, INIT and the session checks (methods of ``SyncerState``)."""
-
-    # Provided by SyncerState.
-    config: SyncerConfig
-    syncer_id: int
-    pool: HostBufferPool
-    islands: list[IslandRecord]
-    fingerprint: str | None
-    fragments: list[FragmentRecord]
-    rounds: dict[int, RoundRecord]
-    phase: str
-    refusals: int
-    work: list[Work]
-    peers: dict[bytes, int]
-    hellos_seen: set[tuple[int, int]]
-
-    if TYPE_CHECKING:
-        @property
-        def n_fragments(self) -> int: ...
-        @property
-        def initialised(self) -> bool: ...
-        def versions(self) -> tuple[int, ...]: ...
-        def _finals(self, isl: IslandRecord) -> list[Out]: ...
-        def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str,
-                             resend: bool = False) -> None: ...
 
     def stamp(self, peer: bytes) -> tuple[int, int]:
         """(nonce, seq) for the next message sealed for ``peer``; (0, 0) for a peer we do not bind."""

@@ -11,22 +11,21 @@ value and momentum exactly as they were.  No I/O.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.syncer.checks import Refused
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.fields import StateFields
 from diloco.syncer.records import (
     FragmentRecord,
     FragmentSnapshot,
     IslandRecord,
     Outgoing,
-    OutStream,
     RoundRecord,
     Snapshot,
 )
-from diloco.wire import Error, FragmentLayout, HostBufferPool, Push
+from diloco.wire import Error, FragmentLayout, Push
 
 if TYPE_CHECKING:
     from diloco.syncer.state import Out
@@ -38,35 +37,8 @@ COUNTED_REFUSALS = frozenset({"bad_part", "bad_counts", "bad_base_version", "sta
 the island sent was wrong. Races (an attempt or round that moved on meanwhile) do not count."""
 
 
-class Recovery:
+class Recovery(StateFields):
     """Lost messages, refusal counting, attempt restarts, checkpoints (methods of ``SyncerState``)."""
-
-    # Provided by SyncerState.
-    config: SyncerConfig
-    pool: HostBufferPool
-    islands: list[IslandRecord]
-    fingerprint: str | None
-    fragments: list[FragmentRecord]
-    rounds: dict[int, RoundRecord]
-    phase: str
-    refusals: int
-    events: list[dict[str, Any]]
-    pinned: set[int]
-    next_open: int
-    next_commit: int
-    final_expected: frozenset[int]
-
-    if TYPE_CHECKING:
-        @property
-        def n_fragments(self) -> int: ...
-        @property
-        def initialised(self) -> bool: ...
-        def versions(self) -> tuple[int, ...]: ...
-        def live(self) -> list[IslandRecord]: ...
-        def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> OutStream: ...
-        def _pull(self, r: RoundRecord, island: int) -> Outgoing: ...
-        def _final(self, isl: IslandRecord, frag: FragmentRecord) -> OutStream: ...
-        def _size_pool(self) -> None: ...
 
     def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float) -> None:
         """The loop could not deliver a message to ``peer`` (a send error: the peer is gone, or

@@ -11,9 +11,10 @@ state's own records; no I/O.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from diloco.syncer.dataplane import DigestFragment
+from diloco.syncer.fields import StateFields
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
 from diloco.wire import Shutdown
 
@@ -23,14 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco.syncer.state")
 
 
-class RoundClock:
+class RoundClock(StateFields):
     """Round opening, flush rounds and finalization (methods of ``SyncerState``)."""
-
-    # Provided by SyncerState.
-    config: Any
-    rounds: dict[int, RoundRecord]
-    fragments: list[FragmentRecord]
-    islands: list[IslandRecord]
 
     def _finished_training(self, isl: IslandRecord) -> bool:
         total = self.config.total_steps
