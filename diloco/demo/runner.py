@@ -42,10 +42,11 @@ from diloco.steplog_report import summarize
 log = logging.getLogger("yeto-demo")
 
 # Tuned with benchmarks/bench_quality.py (docs/PERFORMANCE.md, "Quality"), with
-# progress-preserving apply, flush rounds and the slowest-island round clock: H = 20 beats
-# H = 40 (median islands/alone 0.980 vs 0.988 over 3 runs each), H = 10 costs more than it
-# gains (0.993); plain averaging (lr 1, no momentum) beats Nesterov 0.9 at every setting
-# tried (1.04-1.14: 6-24 outer steps per fragment are too few for momentum, it overshoots).
+# progress-preserving apply, flush rounds and the slowest-island round clock: H = 20 is the
+# best of 5..40 (15, 25, 30 and 40 within the run-to-run spread, 5 and 10 clearly worse);
+# plain averaging (lr 1, no momentum) beats every outer lr away from 1 and every momentum
+# tried (6-24 outer steps per fragment are too few for momentum: it overshoots). These are
+# also the syncer's own defaults, except H (--sync-every 100: H trades bandwidth).
 DEFAULT_SYNC_EVERY = 20
 DEFAULT_FRAGMENTS = 4
 DEFAULT_OUTER_LR = 1.0
