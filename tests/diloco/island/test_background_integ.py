@@ -128,7 +128,8 @@ class Scripted(threading.Thread):
         self.sock.send_multipart([peer, *wire.encode(header, flat, nonce=self.nonce, seq=self.seq)], copy=False)
 
 
-def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_rank: int, record: bool) -> dict:
+def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_rank: int, record: bool,
+            kill_in: str = "stage") -> dict:
     torch.set_num_threads(1)
     model = _model()
     layout = TorchLayout(model, group=dist.group.WORLD)
@@ -139,10 +140,12 @@ def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_ra
 
     def slow_gather(f: int):  # noqa: ANN202 - keeps the push in flight while steps run
         time.sleep(slow_s)
+        if rank == kill_rank and kill_in == "gather":
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-export: the others are in the gather
         return gather(f)
 
     def dying_stage(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        if rank == kill_rank:
+        if rank == kill_rank and kill_in == "stage":
             os.kill(os.getpid(), signal.SIGKILL)
         return stage(*a, **k)
 
@@ -226,10 +229,16 @@ def test_push_in_flight_carries_the_snapshot_and_apply_keeps_progress() -> None:
     assert results[1]["post"]["24"] == r["post"]["24"]
 
 
-def test_rank_killed_during_background_transfer_fails_every_other_rank() -> None:
+@pytest.mark.parametrize("kill_in", ["stage", "gather"])
+def test_rank_killed_during_background_transfer_fails_every_other_rank(kill_in: str) -> None:
+    """A rank SIGKILLed inside a background transfer: the staging of a received value (apply),
+    or the gather of a push's delta (export, the others already in the collective). Every
+    surviving rank raises IslandError naming itself, within the transfer timeout."""
     def script(s: Scripted) -> list:
         if s.step < 3:
             return []
+        if kill_in == "gather":
+            return [("pull", wire.Pull(fragment=0, round=1, attempt=0), None)]
         vals = [(n, _initial()[n] + 1) for n in F0]
         return [("commit", wire.Bcast(fragment=0, version=1, round=1, cut=False), vals)]
 
@@ -237,7 +246,7 @@ def test_rank_killed_during_background_transfer_fails_every_other_rank() -> None
     syncer.start()
     t0 = time.monotonic()
     try:
-        results = run_ranks(3, _island, syncer.addr, 200, 0.0, 1, False, timeout_s=150, may_die=[1])
+        results = run_ranks(3, _island, syncer.addr, 200, 0.0, 1, False, kill_in, timeout_s=150, may_die=[1])
     finally:
         syncer.stop.set()
         syncer.join(10)
