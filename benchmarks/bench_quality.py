@@ -109,6 +109,7 @@ def _losses(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _settings(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("islands_count", "layouts", "steps", "sync_every", "fragments", "outer_lr", "outer_momentum", "flush_merge",
+            "sync_rounds",
             "wire_dtype", "micro_batch", "lr", "rounds_committed", "bytes_moved", "wall_s")
     return {k: summary[k] for k in keys}
 
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help=f"outer learning rate (default {d.outer_lr})")
     p.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
                    help=f"outer Nesterov momentum (default {d.outer_momentum})")
+    p.add_argument("--async-rounds", action="store_true",
+                   help="islands never wait for a round (default: synchronous rounds, the demo's default)")
     p.add_argument("--flush-merge", choices=("mean", "outer"), default="mean",
                    help="the syncer's --flush-merge: flush rounds take the plain mean, or the outer step")
     p.add_argument("--lr", type=float, default=d.lr,
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = DemoSettings(islands=2, layouts=("tp1",), steps=a.steps, sync_every=a.sync_every, fragments=a.fragments,
                         outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, lr=a.lr, hidden=a.hidden,
-                        layers=a.layers, syncer_args=("--flush-merge", a.flush_merge), out=a.out, overwrite=True, baseline=True, dp_bound=True, timeout_s=1200.0)
+                        layers=a.layers, syncer_args=("--flush-merge", a.flush_merge), out=a.out,
+                        sync_rounds=not a.async_rounds, overwrite=True, baseline=True, dp_bound=True, timeout_s=1200.0)
     try:
         base.validate()
     except DemoConfigError as exc:

@@ -58,6 +58,12 @@ class IslandConfig:
     and the apply of that round's commit, ``θ ← θ_now + (global − θ_push)`` (docs/PROTOCOL.md);
     ``blend`` applies ``θ ← α·local + (1−α)·global`` with ``YETO_DILOCO_ALPHA``."""
 
+    sync_rounds: bool = False
+    """``YETO_DILOCO_SYNC_ROUNDS``: at the step that opens a round (``ceil(t·H/P)``), hold the
+    training loop until that round's commit is installed: synchronous DiLoCo, every push and
+    apply at a fixed step, so a run is reproducible. Off (default): nothing waits, a commit is
+    installed at whichever boundary it has arrived by (docs/PROTOCOL.md, "Synchronous rounds")."""
+
     pushes_in_flight: int = 1
     """``YETO_DILOCO_PUSHES_IN_FLIGHT``: background pushes (gather + hand-off) that may be
     unfinished per rank; another push waits for the oldest. ``>= 1``."""
@@ -233,6 +239,7 @@ _ENV_OF: dict[str, str] = {
     "alpha": "YETO_DILOCO_ALPHA",
     "apply_mode": "YETO_DILOCO_APPLY",
     "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
+    "sync_rounds": "YETO_DILOCO_SYNC_ROUNDS",
     "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
     "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
     "wire_dtype": "YETO_WIRE_DTYPE",
@@ -289,7 +296,7 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
-    "apply_mode": "str", "pushes_in_flight": "int", "transfer_timeout_s": "float", "tune_malloc": "bool",
+    "apply_mode": "str", "pushes_in_flight": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
     "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
@@ -363,7 +370,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 
 
 _PARSERS = {
-    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of,
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "sync_rounds": _bool_of,
     "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,

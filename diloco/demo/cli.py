@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"syncer's outer Nesterov learning rate (default {d.outer_lr})")
     p.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
                    help=f"syncer's outer Nesterov momentum (default {d.outer_momentum})")
+    rounds = p.add_mutually_exclusive_group()
+    rounds.add_argument("--sync-rounds", dest="sync_rounds", action="store_true", default=d.sync_rounds,
+                        help="islands hold at each round's step until its commit is installed: synchronous, "
+                             f"reproducible{' (default)' if d.sync_rounds else ''}")
+    rounds.add_argument("--async-rounds", dest="sync_rounds", action="store_false",
+                        help="islands never wait: a commit is installed whenever it has arrived"
+                             f"{'' if d.sync_rounds else ' (default)'}")
     p.add_argument("--out", default=d.out, help=f"output directory, empty or new (default {d.out})")
     p.add_argument("--overwrite", action="store_true", help="reuse a non-empty --out (removes the old run's files)")
     p.add_argument("--summary", default=None, help="write the summary JSON here (default <out>/summary.json)")
@@ -76,7 +83,7 @@ def settings_from_args(argv: list[str] | None = None) -> DemoSettings:
         fragments=a.fragments, sync_every=a.sync_every, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
         out=a.out, overwrite=a.overwrite, summary=a.summary, baseline=not a.no_baseline, dp_bound=a.dp_bound,
         hidden=a.hidden, layers=a.layers, micro_batch=a.micro_batch, lr=a.lr, wire_dtype=a.wire_dtype,
-        timeout_s=a.timeout_s, device=a.device, ranks_per_node=a.ranks_per_node)
+        timeout_s=a.timeout_s, device=a.device, ranks_per_node=a.ranks_per_node, sync_rounds=a.sync_rounds)
 
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:

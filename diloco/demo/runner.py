@@ -51,6 +51,7 @@ DEFAULT_SYNC_EVERY = 20
 DEFAULT_FRAGMENTS = 4
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
+DEFAULT_SYNC_ROUNDS = True
 
 ALONE, DP_BOUND = "alone", "dp-bound"
 _OUTPUT_SUFFIXES = (".log", ".jsonl", ".json", ".png", ".ready")
@@ -105,6 +106,9 @@ class DemoSettings:
     """``--device``: cpu, or cuda (every rank on a visible GPU)."""
     ranks_per_node: int = 0
     """``--ranks-per-node``: > 0 installs the gloo bridge in the islands."""
+    sync_rounds: bool = DEFAULT_SYNC_ROUNDS
+    """``--sync-rounds`` / ``--async-rounds``: the islands' YETO_DILOCO_SYNC_ROUNDS (hold at each
+    round's step until its commit is installed)."""
     syncer_args: tuple[str, ...] = ()
     """More ``yeto-syncer`` flags (benchmarks compare syncer settings the demo does not expose)."""
 
@@ -206,7 +210,7 @@ def run_demo(settings: DemoSettings, with_islands: bool = True) -> dict[str, Any
     with open(key_file, "w") as fh:
         fh.write(key)
     env = {**os.environ, "YETO_SYNC_KEY": key, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "YETO_WIRE_DTYPE": settings.wire_dtype}
+           "YETO_WIRE_DTYPE": settings.wire_dtype, "YETO_DILOCO_SYNC_ROUNDS": "1" if settings.sync_rounds else "0"}
     addr = f"tcp://127.0.0.1:{_free_port()}"
     procs: list[_Proc] = []
 
@@ -353,6 +357,7 @@ def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool, with_islands
         "fragments": s.fragments,
         "outer_lr": s.outer_lr,
         "outer_momentum": s.outer_momentum,
+        "sync_rounds": s.sync_rounds,
         "flush_merge": dict(zip(s.syncer_args[::2], s.syncer_args[1::2])).get("--flush-merge", "mean"),
         "wire_dtype": s.wire_dtype,
         "micro_batch": s.micro_batch,

@@ -173,6 +173,10 @@ class Island(StartFinish):
         self._late_events: list[dict] = []
         """Events learned after their boundary (a push the client dropped), for the next record."""
         self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
+        self._schedule = (0, 0)
+        """The syncer's (H, total steps), from WELCOME: when rounds open (synchronous rounds)."""
+        self._held_at = (-1, 0.0)
+        """(step, clock) of the hold in progress (synchronous rounds), to bound it."""
         self._counters = _Counters()
         self._last_end = time.monotonic()
         self._ctrl0 = (0, 0)
@@ -213,6 +217,24 @@ class Island(StartFinish):
         apply_s = self._install_all(orders, events)
         self._stage_all(orders)
         export_s = self._push_all(orders, events)
+        while orders.hold:
+            # Synchronous rounds: more boundaries, no step in between, until this step's round is
+            # installed (or the hold times out); every rank loops on the same orders.
+            tb = time.monotonic()
+            orders = None
+            if self.is_sync:
+                assert self.client is not None
+                try:
+                    self.client.wait_event(0.01)
+                    self._collect()
+                    orders = self._decide(finishing=False)
+                except SyncError as exc:
+                    orders = Orders(error=str(exc))
+            orders = self._exchange(orders)
+            wait_s += time.monotonic() - tb
+            apply_s += self._install_all(orders, events)
+            self._stage_all(orders)
+            export_s += self._push_all(orders, events)
         return self._end_boundary("train", step, t0, step_s, export_s, apply_s, wait_s, events, loss)
 
     def _exchange(self, orders: Orders | None) -> Orders:
@@ -284,8 +306,36 @@ class Island(StartFinish):
         orders = Orders(applies=installs, stages=stages, stale=self._stale_new)
         self._stale_new = []
         orders.pushes = self._take_pushes(orders, finishing)
+        orders.hold = self.cfg.sync_rounds and not finishing and self._holding(orders)
         self._decisions += 1
         return orders
+
+    def _holding(self, orders: Orders) -> bool:
+        """Synchronous rounds: does a round that opens at this very step still lack its install?
+
+        Round ``t`` syncs fragment ``(t − 1) mod P`` and opens at step ``ceil(t·H/P)`` (the
+        syncer's schedule, from WELCOME). Holding only at that step (never for a round already
+        passed) keeps a late joiner or a resumed syncer, whose rounds restart elsewhere, from
+        waiting for rounds that will not come; a hold longer than ``YETO_SYNC_TIMEOUT_S`` is
+        given up with a warning (the run goes on, that round asynchronously)."""
+        h, total = self._schedule
+        p = self.plan.n_fragments
+        if h <= 0 or (total > 0 and self.step > total):
+            return False
+        installing = {(f, r) for f, _, r, _ in orders.applies}
+        # ceil(t·H/P) == step  <=>  (step − 1)·P/H < t <= step·P/H
+        due = range((self.step - 1) * p // h + 1, self.step * p // h + 1)
+        waiting = [t for t in due if self.applied_round[(t - 1) % p] < t and ((t - 1) % p, t) not in installing]
+        if not waiting:
+            return False
+        now = time.monotonic()
+        if self._held_at[0] != self.step:
+            self._held_at = (self.step, now)
+        elif now - self._held_at[1] > self.cfg.sync_timeout_s:
+            log.warning("island %d: round %s of step %d not installed after %.0fs: training on without it",
+                        self.cfg.island_id, waiting, self.step, now - self._held_at[1])
+            return False
+        return True
 
     def _take_pushes(self, orders: Orders, finishing: bool = False) -> list[tuple[int, int, int]]:
         """Pulls to answer now. A push carries ``master − anchor``, so it waits until every

@@ -59,6 +59,7 @@ class StartFinish:
     _staging: dict
     _snap_round: dict[int, int]
     _steplog: StepLog | None
+    _schedule: tuple[int, int]
 
     if TYPE_CHECKING:
         def _raise_if(self, orders: Orders) -> None: ...
@@ -88,6 +89,7 @@ class StartFinish:
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
+                self._schedule = (welcome.sync_every, welcome.total_steps)
                 if welcome.weighting == "tokens" and not self._tokens_given:
                     raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
                                     "not know its tokens per step: pass Island(tokens_per_step=...) or set "

@@ -42,6 +42,10 @@ class Orders:
     """Fragments whose outstanding push the syncer refused as ``stale_base`` (it missed a value):
     the value it resends is installed keeping the progress since that push's snapshot."""
 
+    hold: bool = False
+    """Synchronous rounds (``YETO_DILOCO_SYNC_ROUNDS``): run another boundary before the next
+    step, because the round this step opened is not installed yet."""
+
     init: bool = False
     """Start-up only: the syncer asked this island to stream INIT."""
 
@@ -56,12 +60,13 @@ class Orders:
 
     def is_idle(self) -> bool:
         """Nothing to do: broadcast as an empty payload (the common case, one small broadcast)."""
-        return not (self.applies or self.stages or self.pushes or self.stale or self.init or self.final or self.stop or self.error)
+        return not (self.applies or self.stages or self.pushes or self.stale or self.hold or self.init or self.final
+                    or self.stop or self.error)
 
     def to_json(self) -> bytes:
         """The JSON bytes broadcast to the other ranks (never pickle)."""
-        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "t": self.stale, "i": self.init, "f": self.final, "s": self.stop,
-                           "e": self.error}).encode()
+        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "t": self.stale, "h": self.hold,
+                           "i": self.init, "f": self.final, "s": self.stop, "e": self.error}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Orders:
@@ -70,7 +75,7 @@ class Orders:
         return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
                    stages=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["g"]],
                    pushes=[(int(f), int(r), int(a)) for f, r, a in d["p"]],
-                   stale=[int(f) for f in d.get("t", [])],
+                   stale=[int(f) for f in d.get("t", [])], hold=bool(d.get("h", False)),
                    init=bool(d["i"]), final=bool(d["f"]), stop=d["s"], error=d["e"])
 
 

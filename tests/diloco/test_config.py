@@ -21,6 +21,7 @@ def test_defaults_and_overrides() -> None:
     blend = IslandConfig.from_env(dict(BASE, YETO_DILOCO_APPLY="blend", YETO_DILOCO_ALPHA="0.5",
                                        YETO_DILOCO_PUSHES_IN_FLIGHT="2", YETO_DILOCO_TUNE_MALLOC="0"))
     assert (blend.apply_mode, blend.alpha, blend.pushes_in_flight, blend.tune_malloc) == ("blend", 0.5, 2, False)
+    assert not cfg.sync_rounds and IslandConfig.from_env(dict(BASE, YETO_DILOCO_SYNC_ROUNDS="1")).sync_rounds
 
 
 @pytest.mark.parametrize("env, var", [
@@ -39,6 +40,7 @@ def test_defaults_and_overrides() -> None:
     (dict(BASE, YETO_DILOCO_PUSHES_IN_FLIGHT="0"), "YETO_DILOCO_PUSHES_IN_FLIGHT"),
     (dict(BASE, YETO_DILOCO_TRANSFER_TIMEOUT_S="0"), "YETO_DILOCO_TRANSFER_TIMEOUT_S"),
     (dict(BASE, YETO_DILOCO_TUNE_MALLOC="maybe"), "YETO_DILOCO_TUNE_MALLOC"),
+    (dict(BASE, YETO_DILOCO_SYNC_ROUNDS="2"), "YETO_DILOCO_SYNC_ROUNDS"),
 ])
 def test_bad_values_name_the_variable(env: dict, var: str) -> None:
     with pytest.raises(ConfigError, match=var):

@@ -103,3 +103,11 @@ def test_verdict_says_worse_and_none_when_an_island_is_missing(tmp_path: Path) -
     _result(tmp_path, "island1", 2.5)
     summary = summarize_run(str(tmp_path), s, wall=1.0, ok=True)
     assert "WORSE than one island alone by 25.0%" in verdict(summary)
+
+
+def test_round_mode_flags() -> None:
+    assert cli.settings_from_args([]).sync_rounds is DemoSettings().sync_rounds
+    assert cli.settings_from_args(["--async-rounds"]).sync_rounds is False
+    assert cli.settings_from_args(["--sync-rounds"]).sync_rounds is True
+    with pytest.raises(SystemExit):
+        cli.settings_from_args(["--sync-rounds", "--async-rounds"])

@@ -97,9 +97,12 @@ def test_assignment_mismatch_is_refused_at_hello_by_a_real_syncer(tmp_path: Path
     assert "fingerprint_mismatch" in syncer.log_path.read_text() or "mismatch" in syncer.log_path.read_text()
 
 
-def _run_two_islands(tmp_path: Path, dtypes: tuple[str, str], steps: int) -> list[dict]:
+def _run_two_islands(tmp_path: Path, dtypes: tuple[str, str], steps: int,
+                     island_env: dict[str, str] | None = None) -> list[dict]:
     """A real syncer and two world-1 island processes on the given wire dtypes; every process
-    must exit 0 and both islands must end equal to the syncer's final checkpoint."""
+    must exit 0 and both islands must end equal to the syncer's final checkpoint.
+    ``island_env``: YETO_* variables the islands read (``--env``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     syncer = Syncer(tmp_path, "--islands", "2", "--sync-every", "8", "--total-steps", str(steps),
                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--quorum-timeout-s", "60")
     procs = []
@@ -107,8 +110,10 @@ def _run_two_islands(tmp_path: Path, dtypes: tuple[str, str], steps: int) -> lis
         for i in range(2):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE / "world1_island.py"), "--addr", syncer.addr, "--island-id", str(i),
-                 "--out", str(tmp_path), "--steps", str(steps), "--wire-dtype", dtypes[i]],
-                stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT, env=_env()))
+                 "--out", str(tmp_path), "--steps", str(steps), "--wire-dtype", dtypes[i],
+                 *(["--env"] if island_env else [])],
+                stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT,
+                env={**_env(), **(island_env or {})}))
         codes = [p.wait(timeout=240) for p in procs]
         assert syncer.proc.wait(timeout=60) == 0, syncer.log_path.read_text()[-3000:]
     finally:
@@ -178,3 +183,25 @@ def test_world1_islands_records_and_exact_byte_accounting(tmp_path: Path) -> Non
             assert {k: tuple(v) if isinstance(v, list) else v for k, v in got.items()} == \
                 {k: v for k, v in vars(rec.boundary()).items()}
         assert returned[-1]["pushes"] == log[steps].pushes and sum(len(g["applied"]) for g in returned) >= 1
+
+
+def test_synchronous_rounds_push_and_apply_at_fixed_steps_and_repeat_bitwise(tmp_path: Path) -> None:
+    """YETO_DILOCO_SYNC_ROUNDS=1: every push is taken at the step that opens its round
+    (ceil(t*H/P): H 8, P 2, every 4 steps), its commit is installed before the next step (lag
+    0), and two runs of the same islands end bitwise equal: nothing depends on timing."""
+    env = {"YETO_DILOCO_SYNC_ROUNDS": "1"}
+    digests = []
+    for run in range(2):
+        results = _run_two_islands(tmp_path / f"run{run}", ("float32", "float32"), steps=26, island_env=env)
+        digests.append(results[0]["digest"])
+        for i in range(2):
+            log = read_steplog(str(tmp_path / f"run{run}" / f"island{i}.steplog.jsonl"))
+            pushes = [(rec.step, e) for rec in log for e in rec.events if e["type"] == "push"]
+            applies = [(rec.step, e) for rec in log for e in rec.events if e["type"] == "apply"]
+            training = [(s, e) for s, e in pushes if s < 26]
+            assert [s for s, _ in training] == [4 * t for t in range(1, 7)], pushes
+            assert all(e["round"] == s // 4 and e["local_steps"] == (4 if s == 4 else 8) for s, e in training), pushes
+            trained = [(s, e) for s, e in applies if s < 26]
+            assert [s for s, _ in trained] == [4 * t for t in range(1, 7)] and all(
+                e["lag_steps"] == 0 for _, e in trained), applies
+    assert digests[0] == digests[1]
