@@ -25,14 +25,16 @@ Every run is ``diloco.demo.runner.run_demo`` (the demo's own machinery). Usage::
 
     python benchmarks/bench_quality.py [--steps 240] [--sync-every H] [--outer-lr LR]
         [--outer-momentum M] [--fragments F] [--lr INNER_LR] [--flush-merge mean|outer]
-        [--repeats 3] [--four] [--bf16] [--q4] [--reuse-baselines] [--out DIR]
+        [--async-rounds] [--repeats N] [--four] [--bf16] [--q4] [--reuse-baselines] [--out DIR]
 
-(b) runs ``--repeats`` times (default 3) and its figures are the median run's: the islands are
-not deterministic (how many steps a commit lands after its push depends on timing), and one
-run's ratio varies by about +-0.006, as much as the best settings differ. (a) and (c) are
-deterministic, run once, and ``--reuse-baselines`` takes them from an earlier run.
+The islands use the demo's synchronous rounds (``YETO_DILOCO_SYNC_ROUNDS=1``): every push and
+apply at a fixed step, so (b) is deterministic like (a) and (c), and runs once. With
+``--async-rounds`` (nothing waits) it is not (how many steps a commit lands after its push
+depends on timing; one run's ratio varies by about +-0.01): (b) then runs ``--repeats`` times
+(default 3) and its figures are the median run's. ``--reuse-baselines`` takes (a) and (c) from an
+earlier run.
 
-Takes about 7 minutes on 2 cores (4 with --reuse-baselines). Human-readable lines first; the last
+Takes about 4 minutes on 2 cores (1.5 with --reuse-baselines; 4 more with --async-rounds). Human-readable lines first; the last
 line is one JSON object.
 """
 
@@ -149,8 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--four", action="store_true", help="also 4 islands (vs alone and a 4x-batch bound)")
     p.add_argument("--bf16", action="store_true", help="also 2 islands over the bf16 wire")
     p.add_argument("--q4", action="store_true", help="also 2 islands over the q4 wire (hook: null until it exists)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of the 2 islands; their figures are the median run's (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of the 2 islands; their figures are the median run's (default 1 with synchronous "
+                        "rounds, which are deterministic, 3 with --async-rounds)")
     p.add_argument("--reuse-baselines", action="store_true",
                    help="take alone and dp-bound from a previous run with the same settings (tuning)")
     p.add_argument("--out", default="runs/bench_quality", help="output directory, overwritten (default %(default)s)")
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base.validate()
     except DemoConfigError as exc:
         p.error(str(exc))
+    if a.repeats is None:
+        a.repeats = 3 if a.async_rounds else 1
     if a.repeats < 1:
         p.error(f"--repeats: must be >= 1, got {a.repeats}")
     print(f"bench_quality: {a.steps} steps, H={a.sync_every}, {a.fragments} fragments, outer lr {a.outer_lr}, "

@@ -41,13 +41,16 @@ from diloco.steplog_report import summarize
 
 log = logging.getLogger("yeto-demo")
 
-# Tuned with benchmarks/bench_quality.py (docs/PERFORMANCE.md, "Quality"), with
-# progress-preserving apply, flush rounds and the slowest-island round clock: H = 20 is the
-# best of 5..40 (15, 25, 30 and 40 within the run-to-run spread, 5 and 10 clearly worse);
-# plain averaging (lr 1, no momentum) beats every outer lr away from 1 and every momentum
-# tried (6-24 outer steps per fragment are too few for momentum: it overshoots). These are
-# also the syncer's own defaults, except H (--sync-every 100: H trades bandwidth).
-DEFAULT_SYNC_EVERY = 20
+# Tuned with benchmarks/bench_quality.py (docs/PERFORMANCE.md, "Quality"). Synchronous rounds
+# are what pays: a 0.2 s demo step is shorter than a round trip, so asynchronously a commit
+# lands 2-4 steps after its push, and at H <= 20 that staleness costs more than any setting
+# gains (islands/alone 0.98-1.00 and noisy). Held at each round's step, H = 10 is the middle
+# of the good region (H 4..12, 1-4 fragments: 0.957-0.978, deterministic); plain averaging
+# (lr 1, no momentum) beats every outer lr away from 1 and every momentum tried (6-24 outer
+# steps per fragment are too few for momentum: it overshoots). lr and momentum are also the
+# syncer's own defaults; H is not (--sync-every 100: H trades bandwidth), nor are synchronous
+# rounds for islands (YETO_DILOCO_SYNC_ROUNDS=0: at real sizes nothing waits).
+DEFAULT_SYNC_EVERY = 10
 DEFAULT_FRAGMENTS = 4
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
