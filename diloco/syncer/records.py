@@ -104,7 +104,8 @@ class FragmentRecord:
     """INIT parts copied in by the data plane."""
     committing: bool = False
     round: int = 0
-    """The round whose commit produced ``version`` (0: the INIT value or a resumed one)."""
+    """The round whose commit produced ``version`` (0: the INIT value); after ``--resume``, the
+    fragment's last round before the checkpoint's next round. Cuts carry it."""
     digest: str | None = None
     """``tensor_digest`` of the final value, computed on the data plane at finalization."""
 

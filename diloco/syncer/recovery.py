@@ -107,7 +107,7 @@ class Recovery(StateFields):
                 elif self.phase == "running" and rec.cut_sent and frag.initialised:
                     log.info("island %d: resending fragment %d version %d%s", rec.island, f, frag.version,
                              " (cut)" if cut else "")
-                    out.append(self._bcast(rec, frag, 0 if cut else frag.round, cut))
+                    out.append(self._bcast(rec, frag, frag.round, cut))
             if self.phase == "running" and rec.cut_sent:
                 for r in sorted(self.rounds.values(), key=lambda r: r.round):
                     if rec.island in r.members and rec.island not in r.pushes and not r.closed:
@@ -202,8 +202,12 @@ class Recovery(StateFields):
                 if t.dtype != torch.float32 or tuple(t.shape) != (layout.numel,):
                     raise ValueError(f"checkpoint fragment {idx}: {t.dtype} {tuple(t.shape)}, expected "
                                      f"float32 ({layout.numel},)")
+            # Rounds before next_round are committed: fragment idx's last is the largest such
+            # t with (t − 1) mod P == idx (rounds run fragments in turn).
+            last = snap.next_round - 1 - ((snap.next_round - 2 - idx) % snap.n_fragments)
             frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=fs.value.contiguous(),
-                                        momentum=fs.momentum.contiguous(), version=fs.version, initialised=True))
+                                        momentum=fs.momentum.contiguous(), version=fs.version, initialised=True,
+                                        round=max(0, last)))
         for island, led in snap.ledgers.items():
             if 0 <= island < self.config.islands:
                 ledger = self.islands[island].ledger

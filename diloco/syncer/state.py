@@ -583,7 +583,9 @@ class SyncerState(Admission, Recovery, RoundClock):
             if isl.cut_sent:
                 continue
             for frag in self.fragments:
-                out.append(self._bcast(isl, frag, 0, cut=True))
+                # A cut carries the fragment's last committed round (0: none yet), so an island that
+                # joins late knows which rounds went by without it (synchronous rounds wait for none).
+                out.append(self._bcast(isl, frag, frag.round, cut=True))
             isl.cut_sent = True
             # A member that reconnected (or revived) mid-round is asked again,
             # after its cut so that it pushes against the current anchor.

@@ -111,7 +111,7 @@ def _run_two_islands(tmp_path: Path, dtypes: tuple[str, str], steps: int,
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE / "world1_island.py"), "--addr", syncer.addr, "--island-id", str(i),
                  "--out", str(tmp_path), "--steps", str(steps), "--wire-dtype", dtypes[i],
-                 *(["--env"] if island_env else [])],
+                 *(["--env", "--start-together", "2"] if island_env else [])],
                 stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT,
                 env={**_env(), **(island_env or {})}))
         codes = [p.wait(timeout=240) for p in procs]

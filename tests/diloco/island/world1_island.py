@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--wire-dtype", default="bfloat16")
     p.add_argument("--env", action="store_true", help="also read YETO_* variables (timeouts) from the environment")
+    p.add_argument("--start-together", type=int, default=0,
+                   help="N > 0: after start-up, wait until N islands of --out are ready before the first step")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"island{a.island_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -49,6 +51,12 @@ def main() -> None:
                                 heartbeat_s=0.5, step_log=f"{a.out}/island{{island}}.steplog.jsonl")
     island = Island(cfg, TorchLayout(model, opt), tokens_per_step=16)
     records = [island.start()]
+    if a.start_together > 0:  # a file barrier: every island starts training once all are live
+        open(f"{a.out}/ready.{a.island_id}", "w").close()
+        deadline = time.monotonic() + 120
+        while sum(n.startswith("ready.") for n in os.listdir(a.out)) < a.start_together:
+            assert time.monotonic() < deadline, "start barrier timed out"
+            time.sleep(0.02)
     g = torch.Generator().manual_seed(a.island_id)
     for step in range(1, a.steps + 1):
         x = torch.randn(32, 4, generator=g)

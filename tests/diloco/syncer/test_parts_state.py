@@ -525,3 +525,24 @@ def test_flush_round_merges_by_the_plain_mean_unless_told_otherwise(merge: str) 
         assert np.allclose(v2, v1 + mean, atol=1e-6)
         assert not bitwise(v2, reference_commit(v1, m1, {i: flat(t).numpy() for i, t in last.items()}, weights,
                                                 ev["fold_order"], E)[0])
+
+
+def test_a_cut_carries_the_last_committed_round_also_after_resume() -> None:
+    """An island that joins (or rejoins) after round 1 committed gets a cut saying round 1, so
+    with synchronous rounds it does not wait for a round that went by without it; a resumed
+    syncer's cut says the last round before its checkpoint's next round."""
+    cfg = replace(CFG, islands=3, quorum=2)
+    d = started(cfg)
+    open_round(d, 1)
+    for i in range(3):
+        d.send_all(peer(i), pushes(i, 1, steps=2, tokens=10), now=1.0)
+    assert d.st.versions() == (1,) and d.st.fragments[0].round == 1
+    out = d.send(peer(2), hello(2, gen=31, numel=(NUMEL,)), now=2.0)  # a redial: a new generation
+    cuts = streams(out)
+    assert [(o.cut, o.version, o.round) for o in cuts] == [(True, 1, 1)], cuts
+    snap = d.st.snapshot()
+    d.st.release_snapshot()
+    resumed = Driver(cfg, snapshot=snap)
+    assert resumed.st.fragments[0].round == 1 and resumed.st.next_open == 2
+    out = resumed.send(peer(0), hello(0, numel=(NUMEL,)), now=0.0)
+    assert [(o.cut, o.round) for o in streams(out)] == [(True, 1)]
