@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = DemoSettings(islands=2, layouts=("tp1",), steps=a.steps, sync_every=a.sync_every, fragments=a.fragments,
                         outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, lr=a.lr, hidden=a.hidden,
-                        layers=a.layers, syncer_args=("--flush-merge", a.flush_merge), out=a.out,
+                        layers=a.layers, flush_merge=a.flush_merge, out=a.out,
                         sync_rounds=not a.async_rounds, overwrite=True, baseline=True, dp_bound=True, timeout_s=1200.0)
     try:
         base.validate()

@@ -112,8 +112,8 @@ class DemoSettings:
     sync_rounds: bool = DEFAULT_SYNC_ROUNDS
     """``--sync-rounds`` / ``--async-rounds``: the islands' YETO_DILOCO_SYNC_ROUNDS (hold at each
     round's step until its commit is installed)."""
-    syncer_args: tuple[str, ...] = ()
-    """More ``yeto-syncer`` flags (benchmarks compare syncer settings the demo does not expose)."""
+    flush_merge: str = "mean"
+    """The syncer's ``--flush-merge`` (benchmarks compare it; the demo does not expose it)."""
 
     def layout_of(self, island: int) -> str:
         return self.layouts[island % len(self.layouts)]
@@ -139,6 +139,7 @@ class DemoSettings:
              f"({self.fragments}: one fragment syncs every H/fragments steps) and --steps ({self.steps}), "
              f"got {self.sync_every}")
         need(self.outer_lr > 0 and math.isfinite(self.outer_lr), "--outer-lr", f"must be > 0, got {self.outer_lr}")
+        need(self.flush_merge in ("mean", "outer"), "flush_merge", f"must be mean or outer, got {self.flush_merge!r}")
         need(0 <= self.outer_momentum < 1, "--outer-momentum", f"must satisfy 0 <= m < 1, got {self.outer_momentum}")
         need(self.micro_batch >= 1, "--micro-batch", f"must be >= 1, got {self.micro_batch}")
         need(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
@@ -246,7 +247,7 @@ def run_demo(settings: DemoSettings, with_islands: bool = True) -> dict[str, Any
                 "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4", "--key-file", key_file,
                 "--event-log", os.path.join(out, "events.jsonl"), "--quorum-timeout-s", "120",
                 "--final-timeout-s", "300", "--outer-lr", str(s.outer_lr),
-                "--outer-momentum", str(s.outer_momentum), *s.syncer_args])
+                "--outer-momentum", str(s.outer_momentum), "--flush-merge", s.flush_merge])
             for i, lay in enumerate(layouts):
                 spawn(f"island{i}", [*island, "--name", f"island{i}", "--island-id", str(i), "--layout", lay,
                                      "--sync-addr", addr, "--data-seed", str(i), "--start-together",
@@ -361,7 +362,7 @@ def summarize_run(out: str, s: DemoSettings, wall: float, ok: bool, with_islands
         "outer_lr": s.outer_lr,
         "outer_momentum": s.outer_momentum,
         "sync_rounds": s.sync_rounds,
-        "flush_merge": dict(zip(s.syncer_args[::2], s.syncer_args[1::2])).get("--flush-merge", "mean"),
+        "flush_merge": s.flush_merge,
         "wire_dtype": s.wire_dtype,
         "micro_batch": s.micro_batch,
         "lr": s.lr,

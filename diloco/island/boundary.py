@@ -187,10 +187,8 @@ class Island(StartFinish):
         """Old name of :attr:`unmerged_steps`."""
         return self.unmerged_steps
 
-    # ------------------------------------------------------------------ start-up
-
-
-    # ------------------------------------------------------------------ step boundary
+    # ------------------------------------------------------------------ step boundary (start-up
+    # and finalization: diloco/island/lifecycle.py)
     def step_end(self, step: int, loss: float | None = None) -> BoundaryRecord:
         """The step boundary (every rank, right after ``optimizer.step()``).
 
@@ -201,41 +199,47 @@ class Island(StartFinish):
         self.step = step
         for f in range(self.plan.n_fragments):
             self.unmerged_steps[f] += 1
-        orders = None
-        if self.is_sync:
-            assert self.client is not None
-            try:
-                self.client.report_step(step)
-                self._collect()
-                orders = self._decide(finishing=False)
-            except SyncError as exc:
-                orders = Orders(error=str(exc))
+        orders = self._train_orders()
         tb = time.monotonic()
         orders = self._exchange(orders)
         wait_s = time.monotonic() - tb
         events: list[dict] = []
-        apply_s = self._install_all(orders, events)
-        self._stage_all(orders)
-        export_s = self._push_all(orders, events)
+        apply_s, export_s = self._execute(orders, events)
         while orders.hold:
             # Synchronous rounds: more boundaries, no step in between, until this step's round is
             # installed (or the hold times out); every rank loops on the same orders.
             tb = time.monotonic()
-            orders = None
-            if self.is_sync:
-                assert self.client is not None
-                try:
-                    self.client.wait_event(0.01)
-                    self._collect()
-                    orders = self._decide(finishing=False)
-                except SyncError as exc:
-                    orders = Orders(error=str(exc))
-            orders = self._exchange(orders)
+            orders = self._exchange(self._train_orders(wait_s=0.01))
             wait_s += time.monotonic() - tb
-            apply_s += self._install_all(orders, events)
-            self._stage_all(orders)
-            export_s += self._push_all(orders, events)
+            more_apply_s, more_export_s = self._execute(orders, events)
+            apply_s += more_apply_s
+            export_s += more_export_s
         return self._end_boundary("train", step, t0, step_s, export_s, apply_s, wait_s, events, loss)
+
+    def _train_orders(self, wait_s: float = 0.0) -> Orders | None:
+        """The sync rank's orders at a training boundary (None on the other ranks).
+
+        ``wait_s`` 0: the boundary right after a step (the syncer is told the step); > 0: a
+        synchronous-rounds hold, which first waits that long for the client to park something."""
+        if not self.is_sync:
+            return None
+        assert self.client is not None
+        try:
+            if wait_s > 0:
+                self.client.wait_event(wait_s)
+            else:
+                self.client.report_step(self.step)
+            self._collect()
+            return self._decide(finishing=False)
+        except SyncError as exc:
+            return Orders(error=str(exc))
+
+    def _execute(self, orders: Orders, events: list[dict]) -> tuple[float, float]:
+        """Every rank's part of a boundary, in its fixed order: install, stage, push. Returns the
+        seconds spent installing and exporting."""
+        apply_s = self._install_all(orders, events)
+        self._stage_all(orders)
+        return apply_s, self._push_all(orders, events)
 
     def _exchange(self, orders: Orders | None) -> Orders:
         """Orders from the sync rank, and agreement on the background workers (collective)."""

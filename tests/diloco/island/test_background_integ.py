@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import zmq
 
 from diloco import wire
 from diloco.config import IslandConfig
@@ -32,6 +32,9 @@ from diloco.layout.base import ParamSpec
 from diloco.layout.torch_module import TorchLayout
 from diloco.plan import make_plan
 from diloco.testing.megatron_cpu import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_syncer import FakeSyncer  # noqa: E402
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(180)]
 
@@ -62,32 +65,16 @@ def _train(model: torch.nn.Module, step: int) -> None:
             p.mul_(0.999).add_(1e-3 * step)
 
 
-class Scripted(threading.Thread):
+class Scripted(FakeSyncer):
     """Welcome + cut of the initial model, then ``script(step) -> [(header, tensors)]`` by island step."""
 
     def __init__(self, script) -> None:  # noqa: ANN001
-        super().__init__(daemon=True)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        super().__init__()
         self.script = script
         self.pushes: list[tuple[int, wire.Push, list]] = []
         self.step = 0
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.nonce, self.seq = 0, 0  # the session WELCOME opens (docs/SECURITY.md)
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
-            self.error = exc
-        finally:
-            self.sock.close()
-            self.ctx.term()
-
-    def _run(self) -> None:
+    def _script(self) -> None:
         peer = None
         fired: set[int] = set()
         model = _model()
@@ -120,12 +107,6 @@ class Scripted(threading.Thread):
                 if key not in fired:
                     fired.add(key)
                     self._send(peer, header, tensors)
-
-    def _send(self, peer: bytes, header: wire.Header, tensors: list | None = None) -> None:
-        # Fragments are small here: each travels as one part of flat segments (diloco/wire/parts.py).
-        flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.seq += 1
-        self.sock.send_multipart([peer, *wire.encode(header, flat, nonce=self.nonce, seq=self.seq)], copy=False)
 
 
 def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_rank: int, record: bool,

@@ -8,20 +8,23 @@ plain-torch layout.
 
 from __future__ import annotations
 
-import threading
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import zmq
 
 from diloco import wire
 from diloco.config import IslandConfig
 from diloco.island.boundary import Island
 from diloco.layout.torch_module import TorchLayout
 from diloco.testing.megatron_cpu import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_syncer import FakeSyncer  # noqa: E402
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(180)]
 
@@ -34,7 +37,7 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(N_FRAGMENTS * 2)])
 
 
-class ScriptedSyncer(threading.Thread):
+class ScriptedSyncer(FakeSyncer):
     """Welcomes island 0 with need_init, reads INIT slowly, then sends a cut of INIT + 1.
 
     ``cut_fragments`` limits which fragments the cut contains at first (the rest is sent
@@ -42,29 +45,12 @@ class ScriptedSyncer(threading.Thread):
     """
 
     def __init__(self, read_delay_s: float, cut_fragments: int, late_at_step: int = 0) -> None:
-        super().__init__(daemon=True)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVBUF, 1 << 16)
-        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        super().__init__(rcvbuf=1 << 16)
         self.read_delay_s = read_delay_s
         self.cut_fragments = cut_fragments
         self.late_at_step = late_at_step
         self.init: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self.steps: list[int] = []
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.nonce, self.seq = 0, 0  # the session WELCOME opens (docs/SECURITY.md)
-
-    def run(self) -> None:
-        try:
-            self._script()
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
-            self.error = exc
-        finally:
-            self.sock.close()
-            self.ctx.term()
 
     def _recv(self) -> tuple[bytes, wire.Message] | None:
         while not self.stop.is_set():
@@ -72,12 +58,6 @@ class ScriptedSyncer(threading.Thread):
                 peer, *frames = self.sock.recv_multipart(copy=False)
                 return peer.bytes, wire.decode(frames)
         return None
-
-    def _send(self, peer: bytes, header: wire.Header, tensors: list | None = None) -> None:
-        # Fragments are small here: each travels as one part of flat segments.
-        flat = [(n, t.reshape(-1)) for n, t in tensors or []]
-        self.seq += 1
-        self.sock.send_multipart([peer, *wire.encode(header, flat, nonce=self.nonce, seq=self.seq)], copy=False)
 
     def _script(self) -> None:
         got = self._recv()
