@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.keys import read_key_file
 from diloco.security import ClientCurve, load_public, load_secret
@@ -94,6 +94,17 @@ class IslandConfig:
     """``YETO_DILOCO_STEP_LOG``: path of the per-step JSON log written by sync rank 0
     (``{island}`` is replaced by the island id). Unset = no log."""
 
+    writer: object = field(default=None, compare=False, repr=False)
+    """In code only (``IslandConfig(..., writer=SummaryWriter(...))``): the job's scalar writer,
+    anything with ``add_scalar(tag, value, step)`` (TensorBoard) or ``log(dict, step)``
+    (wandb), or a list of them; sync rank 0 writes the sync scalars under ``diloco/`` to it
+    every ``log_interval`` steps (``diloco/steplog_scalars.py``). None = no scalars. The
+    ms-swift plugin hands in Megatron's own TensorBoard and wandb writers."""
+
+    log_interval: int = 0
+    """``YETO_DILOCO_LOG_INTERVAL``: training steps between two writes of the sync scalars;
+    0 = the job's own (Megatron's ``--log-interval``), else 10."""
+
     tokens_per_step: int = 0
     """``YETO_DILOCO_TOKENS_PER_STEP``: tokens one optimizer step consumes, used to weight
     this island's pushes. 0 = let the integration compute it (ms-swift: global batch x
@@ -157,6 +168,9 @@ class IslandConfig:
         _check(self.wire_dtype in WIRE_DTYPE_NAMES, "wire_dtype", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
         _check(self.initial_cut_timeout_s >= 0, "initial_cut_timeout_s", self.initial_cut_timeout_s, "must be >= 0")
+        _check(self.writer is None or _writers_ok(self.writer), "writer", type(self.writer).__name__,
+               "must have add_scalar(tag, value, step) or log(dict, step), or be a list of such")
+        _check(self.log_interval >= 0, "log_interval", self.log_interval, "must be >= 0")
         _check(self.tokens_per_step >= 0, "tokens_per_step", self.tokens_per_step, "must be >= 0")
         _check(self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "must be > 0")
         _check(self.sync_timeout_s > self.heartbeat_s, "sync_timeout_s", self.sync_timeout_s,
@@ -226,6 +240,12 @@ class IslandConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def writers(self) -> list[object]:
+        """The scalar writers (``writer`` as a list; empty when None)."""
+        if self.writer is None:
+            return []
+        return list(self.writer) if isinstance(self.writer, (list, tuple)) else [self.writer]
+
     def step_log_path(self) -> str | None:
         """The step-log path with ``{island}`` filled in."""
         return None if self.step_log is None else self.step_log.replace("{island}", str(self.island_id))
@@ -245,6 +265,8 @@ _ENV_OF: dict[str, str] = {
     "wire_dtype": "YETO_WIRE_DTYPE",
     "initial_cut_timeout_s": "YETO_DILOCO_INITIAL_CUT_TIMEOUT",
     "step_log": "YETO_DILOCO_STEP_LOG",
+    "writer": "in code only",
+    "log_interval": "YETO_DILOCO_LOG_INTERVAL",
     "tokens_per_step": "YETO_DILOCO_TOKENS_PER_STEP",
     "heartbeat_s": "YETO_HEARTBEAT_S",
     "sync_timeout_s": "YETO_SYNC_TIMEOUT_S",
@@ -287,6 +309,8 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
         ok = isinstance(getattr(cfg, name), bytes)
     elif kind == "str?":
         ok = value is None or isinstance(value, str)
+    elif kind == "any":
+        ok = True
     else:
         ok = isinstance(value, str)
     if not ok:
@@ -297,13 +321,19 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
     "apply_mode": "str", "pushes_in_flight": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
-    "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "tokens_per_step": "int",
+    "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "writer": "any",
+    "log_interval": "int", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
     "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
     "curve_server_key": "str", "curve_secret_file": "str",
 }
 _KIND_WORDS = {"int": "int", "int?": "int or None", "float": "a finite number", "bool": "bool",
                "bytes": "bytes (or str)", "str?": "str or None", "str": "str"}
+
+
+def _writers_ok(writer: object) -> bool:
+    items = list(writer) if isinstance(writer, (list, tuple)) else [writer]
+    return all(callable(getattr(w, "add_scalar", None)) or callable(getattr(w, "log", None)) for w in items)
 
 
 def _key_from_env(env: Mapping[str, str]) -> bytes:
@@ -372,7 +402,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 _PARSERS = {
     "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "sync_rounds": _bool_of,
     "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
-    "step_log": _str, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
+    "step_log": _str, "log_interval": _int_of, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,
     "curve_server_key": _str, "curve_secret_file": _str,

@@ -32,7 +32,10 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.steplog_scalars import ScalarView
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,8 @@ class StepRecord(BoundaryRecord):
     boundary: its event says what the client will send; when the send queue refused it, a
     later record carries ``{"type": "push_dropped", "fragment", "round", "attempt",
     "local_steps", "data_bytes"}`` with the bytes that did not move (the syncer re-pulls).
-    Readers ignore types they do not know."""
+    ``{"type": "refused", "count", "data_bytes": 0}``: messages from the syncer this island
+    refused (failed validation) since the previous record. Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int
@@ -151,10 +155,14 @@ class StepLog:
     Args:
         path: file to append to (parent directories are created), or ``None``
             to disable logging (``YETO_DILOCO_STEP_LOG`` unset).
+        scalars: a view that writes sync scalars from every record to the job's
+            TensorBoard / wandb writers (``diloco.steplog_scalars``); it gets every
+            record, with or without a file.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, scalars: ScalarView | None = None) -> None:
         self.path = path
+        self.scalars = scalars if scalars is not None and scalars.enabled else None
         self._file: IO[str] | None = None
         if path is None:
             return
@@ -175,6 +183,8 @@ class StepLog:
 
     def record(self, entry: StepRecord) -> None:
         """Append one record as a JSON line; never raises on I/O errors (see module doc)."""
+        if self.scalars is not None:
+            self.scalars.add(entry)
         if self._file is None:
             return
         # Build the dict by hand: dataclasses.asdict deep-copies every event,
@@ -188,7 +198,10 @@ class StepLog:
             self._close_quietly()
 
     def close(self) -> None:
-        """Flush and close the file; further records are dropped. Idempotent."""
+        """Flush and close the file (and flush the scalar writers); further records are dropped. Idempotent."""
+        if self.scalars is not None:
+            self.scalars.flush()
+            self.scalars = None
         if self._file is None:
             return
         try:

@@ -74,6 +74,7 @@ from diloco.island.transfer import FragmentTransfer
 from diloco.layout.base import LayoutAdapter, group_rank
 from diloco.plan import Assignment, FragmentPlan, layout_fingerprint, make_plan
 from diloco.steplog import BoundaryRecord, StepLog, StepRecord
+from diloco.steplog_scalars import island_scalars
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +173,15 @@ class Island(StartFinish):
         handed to the client (appended by the worker, taken by the training thread)."""
         self._late_events: list[dict] = []
         """Events learned after their boundary (a push the client dropped), for the next record."""
-        self._steplog = StepLog(config.step_log_path()) if self.is_sync else None
+        self._steplog = StepLog(config.step_log_path(), island_scalars(config.writers(), config.log_interval)) \
+            if self.is_sync else None
         self._schedule = (0, 0)
         """The syncer's (H, total steps), from WELCOME: when rounds open (synchronous rounds)."""
         self._held_at = (-1, 0.0)
         """(step, clock) of the hold in progress (synchronous rounds), to bound it."""
         self._counters = _Counters()
         self._last_end = time.monotonic()
-        self._ctrl0 = (0, 0)
+        self._ctrl0 = (0, 0, 0)
         self._wire_nbytes = _wire_nbytes_of(config)
 
     @property
@@ -516,7 +518,9 @@ class Island(StartFinish):
         if self._steplog is None or self.client is None:
             return record
         st = self.client.stats
-        ctrl = (st.control_bytes_sent, st.control_bytes_recv)
+        ctrl = (st.control_bytes_sent, st.control_bytes_recv, st.refused)
+        if ctrl[2] > self._ctrl0[2]:
+            events.append({"type": "refused", "count": ctrl[2] - self._ctrl0[2], "data_bytes": 0})
         self._steplog.record(StepRecord(
             **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)},
             time=time.time(), step_s=step_s, export_s=export_s, apply_s=apply_s, wait_s=wait_s,
