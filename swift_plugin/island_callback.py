@@ -13,6 +13,15 @@ the reduced metrics every ``--logging_steps``, ``on_train_end`` after the last s
 * ``on_log`` → remember the last training loss, written to the step log at the next boundary;
 * ``on_train_end`` → :meth:`Island.finish` (final cut), then the optional final digest.
 
+Sync scalars (``diloco/…``, ``diloco/steplog_scalars.py``) go to the job's own writers, found by
+:func:`job_writers`: the ``writer`` of ms-swift's ``tensorboard`` / ``wandb`` callbacks, else
+Megatron-LM's ``get_tensorboard_writer()`` / ``get_wandb_writer()``, every ``--log_interval``
+(``--logging_steps``) steps unless ``YETO_DILOCO_LOG_INTERVAL`` says otherwise. Those writers live
+on the job's last rank; the scalars are written by the sync rank. When the sync rank holds no
+writer of its own but the job logs to TensorBoard, the sync rank opens one more event file in the
+job's TensorBoard directory, so the scalars show beside the loss in the same run; for wandb, set
+``YETO_SYNC_RANK`` to the last rank.
+
 Every hook runs on every rank, in the same order, so every collective inside (group creation,
 layout table exchange, boundaries) is entered by all ranks of the island together. A missing
 ``YETO_SYNC_ADDR`` / ``YETO_ISLAND_ID`` raises :class:`ConfigError` on every rank at once
@@ -34,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from diloco.config import ConfigError, IslandConfig
+from diloco.steplog_scalars import is_writer
 from swift_plugin.options import PluginOptions
 
 log = logging.getLogger(__name__)
@@ -71,6 +81,13 @@ class YetoIslandHooks:
             # Every rank sees the same environment, so every rank raises here together.
             raise ConfigError(f"the yeto callback is enabled (--callbacks yeto) but its configuration is "
                               f"incomplete: {exc}") from exc
+        rank = dist.get_rank()
+        writers = job_writers(self.trainer) if rank == config.sync_rank else []
+        if rank == config.sync_rank and not writers:
+            writers = own_tensorboard_writer(self.trainer.args)
+        interval = config.log_interval or int(getattr(self.trainer.args, "log_interval", 0) or
+                                              getattr(self.trainer.args, "logging_steps", 0) or 0)
+        config = config.replace(writer=writers or None, log_interval=max(0, interval))
         tokens = config.tokens_per_step or tokens_per_step_from_args(self.trainer.args)
         if tokens:
             config = config.replace(tokens_per_step=tokens)
@@ -123,6 +140,44 @@ class YetoIslandHooks:
         self.final_digests = fragment_digests(self.island)
         if self.final_digests is not None:
             write_digest_file(path, self.config.island_id, self.final_versions, self.final_digests)
+
+
+def job_writers(trainer: Any) -> list[object]:
+    """The job's scalar writers on this rank: ms-swift's tensorboard / wandb callbacks' ``writer``
+    (ms-swift 4), else Megatron-LM's ``get_tensorboard_writer()`` / ``get_wandb_writer()`` (the
+    training loop of ms-swift 3); empty when this rank has none (they live on the last rank)."""
+    found: list[object] = []
+    for cb in list(getattr(trainer, "callbacks", None) or []):
+        w = getattr(cb, "writer", None)
+        if w is not None and is_writer(w) and all(w is not x for x in found):
+            found.append(w)
+    if found:
+        return found
+    try:
+        from megatron.training import get_tensorboard_writer, get_wandb_writer  # Megatron-LM, not megatron-core
+    except ImportError:
+        return []
+    return [w for w in (get_tensorboard_writer(), get_wandb_writer()) if w is not None and is_writer(w)]
+
+
+def own_tensorboard_writer(args: Any) -> list[object]:
+    """A SummaryWriter of the sync rank's own in the job's TensorBoard directory (``--tensorboard_dir``,
+    ms-swift's default ``<output_dir>/runs`` when it reports to tensorboard); empty when the job
+    does not log to TensorBoard or tensorboard is not installed."""
+    logdir = getattr(args, "tensorboard_dir", None)
+    report_to = getattr(args, "report_to", None) or ()
+    if not logdir and "tensorboard" in report_to and getattr(args, "output_dir", None):
+        logdir = f"{args.output_dir}/runs"
+    if not logdir:
+        return []
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("yeto: the job logs to TensorBoard in %s but tensorboard is not installed here: no sync "
+                    "scalars", logdir)
+        return []
+    log.info("yeto: sync scalars (diloco/...) go to %s (an event file of the sync rank's own)", logdir)
+    return [SummaryWriter(log_dir=str(logdir), filename_suffix=".yeto")]
 
 
 def tokens_per_step_from_args(args: Any) -> int:

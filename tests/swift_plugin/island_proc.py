@@ -46,7 +46,7 @@ def _barrier(directory: str, me: str, total: int, timeout_s: float = 90.0) -> No
 
 
 def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: int, barrier_dir: str,
-               n_ranks_total: int) -> dict[str, Any]:
+               n_ranks_total: int, tensorboard_dir: str) -> dict[str, Any]:
     from swift_plugin.island_callback import YetoIslandHooks
 
     spec = _spec()
@@ -56,13 +56,22 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: i
     config.padded_vocab_size = spec.vocab
     trainer = SimpleNamespace(
         args=SimpleNamespace(global_batch_size=spec.micro_batch * built.dp, seq_length=spec.seq,
-                             max_length=spec.seq, train_iters=steps),
+                             max_length=spec.seq, train_iters=steps, tensorboard_dir=tensorboard_dir or None,
+                             log_interval=log_every),
         state=SimpleNamespace(iteration=0),
         wrapped_models=built.model,
         unwrapped_models=built.unwrapped,
         optimizer=built.optimizer,
         config=config,
+        callbacks=[],
     )
+    tb_writer = None
+    if tensorboard_dir and rank == world - 1:
+        # As ms-swift's TensorboardCallback: the job's writer lives on the last rank only.
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb_writer = SummaryWriter(log_dir=tensorboard_dir)
+        trainer.callbacks.append(SimpleNamespace(writer=tb_writer))
     hooks = YetoIslandHooks(trainer)
     hooks.on_train_begin()
     if barrier_dir:
@@ -74,8 +83,12 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: i
         hooks.on_step_end()
         if trainer.state.iteration % log_every == 0:
             hooks.on_log({"loss": loss, "grad_norm": 1.0, "learning_rate": 1e-3})
+            if tb_writer is not None:
+                tb_writer.add_scalar("loss", loss, trainer.state.iteration)
         losses.append(loss)
     hooks.on_train_end()
+    if tb_writer is not None:
+        tb_writer.close()
     return {"rank": rank, "versions": hooks.final_versions, "digests": hooks.final_digests, "losses": losses,
             "tokens_per_step": hooks.config.tokens_per_step if hooks.config else None,
             "n_fragments": hooks.island.plan.n_fragments}
@@ -91,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--barrier-dir", default="", help="start barrier shared by all islands (after on_train_begin)")
     p.add_argument("--barrier-ranks", type=int, default=0, help="ranks of all islands that meet at the barrier")
+    p.add_argument("--tensorboard-dir", default="", help="the job's TensorBoard directory (writer on the last rank)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
@@ -100,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core.optimizer  # noqa: F401
 
     results = run_ranks(a.world, _rank_main, a.tp, a.pp, a.steps, a.log_every, a.barrier_dir, a.barrier_ranks,
-                        timeout_s=a.timeout_s)
+                        a.tensorboard_dir, timeout_s=a.timeout_s)
     print(json.dumps(results), flush=True)
     return 0
 

@@ -26,6 +26,10 @@ from pathlib import Path
 import pytest
 
 from diloco.digest import checkpoint_digests
+from diloco.steplog import read_steplog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from tbevents import read_scalars  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -83,7 +87,8 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
         for island, (tp, pp) in enumerate([(2, 1), (1, 2)]):
             cmd = [sys.executable, str(ROOT / "tests" / "swift_plugin" / "island_proc.py"), "--world", "2",
                    "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS), "--log-every", "2",
-                   "--timeout-s", "150", "--barrier-dir", str(tmp_path), "--barrier-ranks", "4"]
+                   "--timeout-s", "150", "--barrier-dir", str(tmp_path), "--barrier-ranks", "4",
+                   "--tensorboard-dir", str(tmp_path / f"tb{island}")]
             procs[f"island{island}"] = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, addr, island),
                                                         stdout=subprocess.PIPE, stderr=logs[f"island{island}"],
                                                         text=True)
@@ -138,6 +143,20 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
     ck_versions, ck_digests = _checkpoint_digests(ckpt)
     assert ck_versions == final_versions
     assert ck_digests == dig[0][0]
+
+    # The sync scalars land in the job's TensorBoard directory, beside the job's loss (written by
+    # the last rank), at the job's log interval, and agree with the step log (the record of truth).
+    for i in (0, 1):
+        tb = read_scalars(str(tmp_path / f"tb{i}"))
+        assert [s for s, _ in tb["loss"]] == list(range(2, STEPS + 1, 2))
+        steps = list(range(2, STEPS + 1, 2))
+        for tag in ("diloco/sync_share", "diloco/rounds_merged", "diloco/push_blocked_ms", "diloco/data_bytes_sent",
+                    "diloco/version/f0", "diloco/version/f1"):
+            assert [s for s, _ in tb[tag]] == steps, (tag, tb[tag])
+        records = {r.step: r for r in read_steplog(str(tmp_path / f"steps-{i}.jsonl")) if r.phase == "train"}
+        assert [v for _, v in tb["diloco/rounds_merged"]] == [records[s].applies for s in steps]
+        assert [v for _, v in tb["diloco/version/f1"]] == [records[s].versions[1] for s in steps]
+        assert 0 <= min(v for _, v in tb["diloco/sync_share"]) <= max(v for _, v in tb["diloco/sync_share"]) < 1
 
     # on_log's loss reaches the step log of the sync rank where that rank sees it (TP2: rank 0 is
     # on the last stage); training really ran (finite, changing losses on every rank).
