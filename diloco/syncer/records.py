@@ -156,6 +156,8 @@ class RoundRecord:
     commit_failed: str | None = None
     """Why a part of the commit was refused (its result not finite): the round is re-pulled."""
     new_momentum: torch.Tensor | None = None
+    commit_started: float = 0.0
+    """Clock when the commit of the current attempt started (its event's ``commit_s`` counts from it)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from typing import Any
 
 import torch
@@ -94,6 +95,8 @@ class SyncerState(Admission, Recovery, RoundClock):
         self.changed_training = 0
         self.changed_flush = 0
         self.refusals = 0
+        self.refused_by: Counter[str] = Counter()
+        """Refusals by reason code (``Refused.code``), for the metrics endpoint."""
         self.flush_left: set[int] | None = None
         """Fragments still to flush once every island finished (None: not started)."""
         self.phase = "running"  # running -> final -> done
@@ -194,6 +197,7 @@ class SyncerState(Admission, Recovery, RoundClock):
                 raise Refused("unexpected_kind", f"{type(header).__name__} is never sent to the syncer")
         except Dropped as r:
             self.refusals += 1
+            self.refused_by[r.code] += 1
             self.dropped += 1
             log.warning("dropped %s claiming island %s (peer %s), nothing answered: %s: %s",
                         type(header).__name__, getattr(header, "island", "?"), peer.hex(), r.code, r.reason)
@@ -204,6 +208,7 @@ class SyncerState(Admission, Recovery, RoundClock):
                           r.reason)
                 return []
             self.refusals += 1
+            self.refused_by[r.code] += 1
             island = getattr(header, "island", "?")
             log.warning(
                 "refused %s from island %s (peer %s): %s: %s",
@@ -481,6 +486,7 @@ class SyncerState(Admission, Recovery, RoundClock):
     def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
         """Merge a closed round (the earliest uncommitted one) on the data plane."""
         frag = self.fragments[r.fragment]
+        r.commit_started = now
         total = sum(p.weight for p in r.pushes.values())
         if total == 0 or r.sum is None:
             self._finish_commit(r, now, out, changed=False)
@@ -559,6 +565,7 @@ class SyncerState(Admission, Recovery, RoundClock):
                 "fold_order": order[0] if order and all(o == order[0] for o in order) else order,
                 "changed": changed,
                 "flush": r.flush,
+                "commit_s": round(now - r.commit_started, 6),
             }
         )
         log.info(
