@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integ, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {

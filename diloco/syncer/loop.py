@@ -51,6 +51,7 @@ import zmq
 from diloco.security import ServerAuth, ServerCurve
 from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
 from diloco.syncer.faults import FaultHook
+from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
@@ -179,6 +180,11 @@ class SyncerLoop:
         """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
         self.faults = FaultHook.from_env()
         self.lost_streams = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        """Bytes received / sent on the socket, every frame (``--metrics-port``)."""
+        self.metrics: SyncerMetrics | None = None
+        """Set before ``run`` to feed the metrics endpoint (``metrics.py``): events and a tick per turn."""
         self.loop_stall_max_s = 0.0
         """Longest iteration of the control loop (for benchmarks and the status line)."""
 
@@ -234,6 +240,7 @@ class SyncerLoop:
 
     def _receive(self, now: float, limits: Limits) -> list[OutStream | Outgoing]:
         frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        self.bytes_in += frames_nbytes(frames)
         peer = frames[0].bytes
         try:
             opened = open_message(frames[1:], key=self.options.key, limits=limits)
@@ -291,6 +298,8 @@ class SyncerLoop:
 
     def _write_events(self) -> None:
         events, self.state.events = self.state.events, []
+        if self.metrics is not None and events:
+            self.metrics.on_events(events)
         if self._events is None or not events:
             return
         for ev in events:
@@ -298,7 +307,9 @@ class SyncerLoop:
         self._events.flush()
 
     def _send_tracked(self, peer: bytes, frames: list[Any], track: bool) -> Any:
-        return self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False, track=track)
+        tracker = self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False, track=track)
+        self.bytes_out += frames_nbytes(frames)
+        return tracker
 
     def _stream(self, o: OutStream) -> Stream | None:
         """A paced stream of the parts of one BCAST/FINAL (encoded on the data plane if needed)."""
@@ -461,6 +472,8 @@ class SyncerLoop:
                 self._send(outgoing)
                 self._submit_work()  # encodes asked for by new streams
                 self._status(now)
+                if self.metrics is not None:
+                    self.metrics.tick(self, now)
                 self.loop_stall_max_s = max(self.loop_stall_max_s, time.monotonic() - t0)
             # Flush what is still streaming (SHUTDOWN went out as control messages already).
             self._flush_streams(timeout_s=self.options.linger_ms / 1000.0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,15 +23,9 @@ import torch
 import torch.distributed as dist
 
 import gloo_bridge
+from tests.support.ports import free_port  # noqa: F401  (re-exported to the bridge tests)
 
 PG_TIMEOUT = timedelta(seconds=60)
-
-
-def free_port() -> int:
-    """A free TCP port on localhost (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, env: dict[str, str], body: Callable[[int], list[str]], out_dir: str) -> None:

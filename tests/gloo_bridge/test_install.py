@@ -68,6 +68,7 @@ def _install_after_init(rank: int, port: int) -> list[str]:
     return ["install accepted ranks_per_node=2 for a world of 1"]
 
 
+@pytest.mark.integ
 def test_inconsistent_world_size_is_refused(tmp_path: Path) -> None:
     verdicts = run_ranks(1, functools.partial(_install_after_init, port=free_port()), tmp_path, timeout_s=40)
     assert verdicts[0]["ok"], verdicts

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,17 +29,12 @@ from diloco.steplog import read_steplog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from tbevents import read_scalars  # noqa: E402
+from tests.support.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 SYNC_EVERY = 4
 FRAGMENTS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(tmp: Path, addr: str, island: int) -> dict[str, str]:

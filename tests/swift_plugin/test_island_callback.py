@@ -101,6 +101,7 @@ def test_digest_sees_every_bit_and_name(tmp_path: Path) -> None:
     assert doc["island"] == 1 and doc["versions"] == [2, 3] and doc["fragments"] == [base, base]
 
 
+@pytest.mark.integ
 @pytest.mark.timeout(60)
 def test_module_prints_plugin_path() -> None:
     out = subprocess.run([sys.executable, "-m", "swift_plugin"], cwd=ROOT, capture_output=True, text=True,

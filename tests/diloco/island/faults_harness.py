@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.digest import checkpoint_digests, combined_digest
+from tests.support.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ISLAND = HERE / "world1_island.py"
 TOKENS_PER_STEP = 16
 """What world1_island.py passes as ``tokens_per_step`` (the ledger check bounds weights by it)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -194,6 +194,7 @@ def test_redial_under_new_generation_when_syncer_restarts(syncer: ScriptedSyncer
         client.close()
 
 
+@pytest.mark.integ  # waits seconds of real time on a real socket (the client's timers)
 def test_redial_after_silence(syncer: ScriptedSyncer) -> None:
     client = _client(syncer.addr)
     try:
@@ -206,6 +207,7 @@ def test_redial_after_silence(syncer: ScriptedSyncer) -> None:
         client.close()
 
 
+@pytest.mark.integ  # waits seconds of real time on a real socket (the client's timers)
 def test_fatal_refusal_raises_at_next_boundary(syncer: ScriptedSyncer) -> None:
     client = _client(syncer.addr)
     try:
@@ -392,6 +394,7 @@ def test_no_bcast_after_the_final_cut_and_the_ack_is_resent_after_a_redial(synce
         client.close()
 
 
+@pytest.mark.integ  # waits seconds of real time on a real socket (the client's timers)
 def test_island_in_use_before_a_welcome_is_retried_then_reported(syncer: ScriptedSyncer) -> None:
     client = _client(syncer.addr)
     try:

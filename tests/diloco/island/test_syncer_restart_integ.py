@@ -12,21 +12,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from diloco.digest import checkpoint_digests, combined_digest
+from tests.support.ports import free_port as _free_port
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(420)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _commits(path) -> list[dict]:

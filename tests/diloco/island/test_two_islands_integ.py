@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,14 +17,9 @@ import pytest
 from diloco.digest import checkpoint_digests, combined_digest
 
 from diloco.steplog import read_steplog
+from tests.support.ports import free_port as _free_port
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(420)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:

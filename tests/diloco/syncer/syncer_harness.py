@@ -1,12 +1,8 @@
-"""Test harness: a real ``python -m diloco.syncer`` process and scripted zmq DEALER islands."""
+"""Test harness: scripted zmq DEALER islands against a real syncer (``SyncerProc``, from tests.support)."""
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,51 +14,9 @@ import zmq
 import msgspec
 
 from diloco.security import ClientCurve, secure_client
+from tests.support.syncer_proc import SyncerProc  # noqa: F401  (re-exported: the syncer tests import it from here)
 from diloco.wire import (DEFAULT_PART_ELEMS, Bcast, Final, FragmentLayout, Heartbeat, Init, Message, Opened, Push,
                          Welcome, encode, open_message)
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-class SyncerProc:
-    """A syncer subprocess bound to a random localhost port; stderr goes to a log file."""
-
-    def __init__(self, tmp: Path, args: Sequence[str]) -> None:
-        self.log_path = tmp / "syncer.log"
-        if not any(a in args for a in ("--key-file", "--curve-secret-file", "--insecure")):
-            args = [*args, "--insecure"]
-        env = {k: v for k, v in os.environ.items() if k != "YETO_SYNC_KEY"}
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        env["OMP_NUM_THREADS"] = "1"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--status-every-s", "0.5",
-             # DiLoCo's Nesterov step (not the plain-averaging default): the references check momentum too.
-             "--outer-lr", "0.7", "--outer-momentum", "0.9", *args],
-            stdout=subprocess.DEVNULL, stderr=self._log, env=env, cwd=str(tmp),
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            m = re.search(r"bound (tcp://\S+)", self.log())
-            if m:
-                self.endpoint = m.group(1)
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"syncer did not start (rc={self.proc.returncode}):\n{self.log()}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait(self, timeout: float = 30) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
 
 
 class Island:
