@@ -403,6 +403,7 @@ class SyncerLoop:
             frames = self._seal_control(o)
             try:
                 self.sock.send_multipart([o.peer, *frames], flags=zmq.NOBLOCK, copy=False)
+                self.bytes_out += frames_nbytes(frames)
             except zmq.Again:
                 self.dropped_sends += 1
                 log.warning("peer %s is slow (send queue full): dropped %s", o.peer.hex(), type(o.header).__name__)

@@ -1,1 +1,0 @@
-"""Support for running real megatron-core on CPU with gloo (tests, demo, benchmarks); never used by a real GPU job."""
