@@ -18,9 +18,12 @@ import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diloco.syncer.metrics import COMMIT_BUCKETS_S, SyncerMetrics
+
+if TYPE_CHECKING:
+    from diloco.syncer.loop import SyncerLoop
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +115,35 @@ def _collector(metrics: SyncerMetrics) -> Any:
 class MetricsServer:
     """The HTTP endpoint; :meth:`close` stops it. Build with :func:`start_metrics_server`."""
 
-    def __init__(self, httpd: HTTPServer, thread: threading.Thread) -> None:
+    def __init__(self, metrics: SyncerMetrics, httpd: HTTPServer, thread: threading.Thread) -> None:
+        self.metrics = metrics
         self._httpd = httpd
         self._thread = thread
         host, port = httpd.server_address[:2]
         self.address = (str(host), int(port))
 
+    def finish(self, loop: SyncerLoop, linger_s: float) -> None:
+        """After ``loop.run`` returned: publish the final values (``/healthz`` turns 503), serve them
+        ``linger_s`` more seconds (a signal ends the wait), then stop. ``--metrics-linger-s``."""
+        self.metrics.final(loop)
+        if linger_s > 0:
+            log.info("metrics: serving the final values for %.0fs (--metrics-linger-s)", linger_s)
+            loop.stop_event.clear()
+            loop.stop_event.wait(linger_s)
+        self.close()
+
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+def serve_loop(loop: SyncerLoop, port: int, bind: str = "127.0.0.1") -> MetricsServer:
+    """Attach a :class:`SyncerMetrics` to ``loop`` (before ``run``) and serve it (see below)."""
+    metrics = SyncerMetrics(loop.state.config.islands)
+    server = start_metrics_server(metrics, port, bind)
+    loop.metrics = metrics
+    return server
 
 
 def start_metrics_server(metrics: SyncerMetrics, port: int, bind: str = "127.0.0.1") -> MetricsServer:
@@ -164,6 +186,6 @@ def start_metrics_server(metrics: SyncerMetrics, port: int, bind: str = "127.0.0
     httpd = HTTPServer((bind, port), Handler)
     thread = threading.Thread(target=httpd.serve_forever, name="yeto-metrics", daemon=True)
     thread.start()
-    server = MetricsServer(httpd, thread)
+    server = MetricsServer(metrics, httpd, thread)
     log.info("metrics on http://%s:%d/metrics (health: /healthz)", *server.address)
     return server
