@@ -21,9 +21,9 @@ from diloco.hostmem import set_malloc_thresholds
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
 from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
 from diloco.syncer.loop import LoopOptions, SyncerLoop
-from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
 
@@ -84,15 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics and /healthz on this HTTP port (0: off; needs the metrics extra)")
-    p.add_argument("--metrics-bind", default="127.0.0.1",
-                   help="address of the metrics endpoint (default loopback only; docs/SECURITY.md)")
-    p.add_argument("--metrics-linger-s", type=float, default=0.0,
-                   help="after the run, keep serving the final metrics this long (a signal ends it)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
     return p
 
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections in all; one more is shut down at once and counted")
+    p.add_argument("--max-connections-per-address", type=int, default=64,
+                   help="open connections from one source IP (islands behind one NAT share one)")
+    p.add_argument("--max-handshaking", type=int, default=64,
+                   help="connections still in their handshake (younger than --handshake-timeout-s) in all")
+    p.add_argument("--max-handshaking-per-address", type=int, default=8,
+                   help="connections still in their handshake from one source IP")
+    p.add_argument("--handshake-timeout-s", type=float, default=5.0,
+                   help="a connection that has not authenticated by then is closed (ZMQ_HANDSHAKE_IVL)")
 
 def _part_elems(part_mib: float) -> int:
     """Elements per part for ``--part-mib`` (4-byte elements); validated by SyncerConfig."""
@@ -172,14 +176,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resume: needs --checkpoint-dir")
         if not args.status_every_s > 0:
             raise ConfigError(f"--status-every-s: must be > 0, got {args.status_every_s}")
-        if not 0 <= args.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port: must be 0 (off) or a TCP port, got {args.metrics_port}")
-        if not args.metrics_linger_s >= 0:
-            raise ConfigError(f"--metrics-linger-s: must be >= 0, got {args.metrics_linger_s}")
         key = _read_key(args.key_file)
         curve = _curve(args, key)
     except ConfigError as e:
         log.error("bad configuration: %s", e)
+        try:
+            caps = ConnCaps(max_connections=args.max_connections, max_per_address=args.max_connections_per_address,
+                            max_handshaking=args.max_handshaking,
+                            max_handshaking_per_address=args.max_handshaking_per_address,
+                            handshake_s=args.handshake_timeout_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         return EXIT_CONFIG
     if curve is None:
         log.warning("--insecure: messages are UNAUTHENTICATED and UNENCRYPTED; anyone who can reach %s can push "
@@ -206,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
-                          data_threads=args.data_threads, window=args.stream_window, curve=curve)
+                          data_threads=args.data_threads, window=args.stream_window, curve=curve,
+                          caps=caps)
     try:
         loop = SyncerLoop(state, options, store)
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
@@ -224,15 +232,4 @@ def main(argv: list[str] | None = None) -> int:
     # Tests and launchers read the real endpoint from here when zmq picked the port
     # (``--bind tcp://127.0.0.1:*``, or ``:0``: zmq accepts both).
     log.info("bound %s", loop.endpoint)
-    metrics = None
-    if args.metrics_port:
-        try:
-            metrics = serve_loop(loop, args.metrics_port, args.metrics_bind)
-        except (MetricsUnavailable, OSError) as e:
-            log.error("--metrics-port/--metrics-bind: cannot serve metrics: %s", e)
-            loop.close()
-            return EXIT_CONFIG
-    code = loop.run()
-    if metrics is not None:
-        metrics.finish(loop, args.metrics_linger_s)
-    return code
+    return loop.run()

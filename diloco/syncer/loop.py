@@ -48,10 +48,13 @@ from typing import IO, Any
 
 import zmq
 
-from diloco.security import ServerAuth, ServerCurve
+from diloco.security import ServerCurve
+from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
+from diloco.syncer.listener import SYNCER_LIMITS, open_listener
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
@@ -72,7 +75,9 @@ class LoopOptions:
     Attributes:
         bind: zmq endpoint to bind, e.g. ``tcp://0.0.0.0:5555``.
         key: shared HMAC key (``b""``: unauthenticated).
-        limits: wire limits applied to every inbound message.
+        limits: wire limits applied to every inbound message; its largest chunk or header also
+            sizes ``ZMQ_MAXMSGSIZE``, the pre-authentication cost (``listener.py``).
+        caps: connection caps and handshake timeout (``connguard.py``).
         poll_ms: poll timeout when nothing is being streamed; bounds how late ``tick`` runs.
         max_batch: messages handled per iteration before ``tick`` and sends.
         sndhwm: per-peer send queue bound (messages); beyond it sends fail fast.
@@ -88,7 +93,8 @@ class LoopOptions:
 
     bind: str = "tcp://0.0.0.0:5555"
     key: bytes = b""
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits = SYNCER_LIMITS
+    caps: ConnCaps = field(default_factory=ConnCaps)
     poll_ms: int = 20
     max_batch: int = 64
     sndhwm: int = 1000
@@ -100,25 +106,6 @@ class LoopOptions:
     status_every_s: float = 2.0
     event_log: str | None = None
     curve: ServerCurve | None = None
-
-
-class _EncodedCache:
-    """Encoded payload parts per (fragment, version, dtype), shared by every island's stream.
-
-    fp32 parts are zero-copy views of the published value plus digests; bf16 parts are
-    one conversion.  Streams keep their own reference to the part list, so pruning an
-    old version never pulls bytes from under a send in progress."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[int, int, str], list[Payload | None]] = {}
-
-    def put(self, fragment: int, version: int, dtype: str, n_parts: int, part: int, payload: Payload) -> None:
-        self.entries.setdefault((fragment, version, dtype), [None] * n_parts)[part] = payload
-
-    def prune(self, current: tuple[int, ...]) -> None:
-        """Drop payloads of versions that are neither current nor being committed (current + 1)."""
-        for key in [k for k in self.entries if k[0] >= len(current) or k[1] not in (current[k[0]], current[k[0]] + 1)]:
-            del self.entries[key]
 
 
 class SyncerLoop:
@@ -147,23 +134,12 @@ class SyncerLoop:
         """Set (by SIGHUP) to re-read the Curve certificates directory."""
         self.wire_refusals = 0
         self.dropped_sends = 0
-        self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
-        # The ZAP handler runs before bind: an unlisted peer fails the Curve handshake, so
-        # zmq never buffers a frame of it (docs/SECURITY.md, "Bounded memory").
-        self.auth: ServerAuth | None = None
-        if options.curve is not None:
-            self.auth = ServerAuth(self.ctx, options.curve)
-            self.auth.secure(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, options.sndhwm)
-        self.sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
-        self.sock.setsockopt(zmq.LINGER, options.linger_ms)
-        # zmq drops (and disconnects) a peer sending a frame above this before
-        # allocating it; frames below it are checked precisely by wire.open_message.
-        lim = options.limits
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(lim.max_chunk_bytes, lim.max_header_bytes) + (1 << 20))
-        self.sock.bind(options.bind)
-        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Frame size, handshake timeout, connection caps, ZAP: what a stranger may cost.
+        self.listener = open_listener(self.ctx, options.bind, options.curve, options.limits, options.caps,
+                                      options.sndhwm, options.rcvhwm, options.linger_ms)
+        self.sock: zmq.Socket[Any] = self.listener.sock
+        self.auth = self.listener.auth
+        self.endpoint: str = self.listener.endpoint
         self._events: IO[str] | None = open(options.event_log, "a") if options.event_log else None
         self._last_status = 0.0
         self._writer: threading.Thread | None = None
@@ -174,7 +150,7 @@ class SyncerLoop:
         os.set_blocking(self._wake_w, False)
         self.data = DataPlane(options.data_threads, self._post)
         self.state.digest_seed = digest_seed(options.key)
-        self._cache = _EncodedCache()
+        self._cache = EncodedCache()
         self._pacer = Pacer(options.window, self._send_tracked)
         self._tracked: list[tuple[Stream, OutStream]] = []
         """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
@@ -424,9 +400,9 @@ class SyncerLoop:
     def _status(self, now: float) -> None:
         if now - self._last_status >= self.options.status_every_s:
             self._last_status = now
-            log.info("status: %s wire_refusals=%d dropped_sends=%d backlog=%.0fMiB streams=%d loop_max=%.0fms",
+            log.info("status: %s wire_refusals=%d dropped_sends=%d backlog=%.0fMiB streams=%d loop_max=%.0fms %s",
                      self.state.status(), self.wire_refusals, self.dropped_sends, self.data.backlog_bytes / 2**20,
-                     self._pacer.pending(), self.loop_stall_max_s * 1e3)
+                     self._pacer.pending(), self.loop_stall_max_s * 1e3, self.listener.guard.status())
 
     # ------------------------------------------------------------------ run
 
@@ -437,6 +413,7 @@ class SyncerLoop:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
         try:
             while not self.state.finished:
@@ -456,6 +433,7 @@ class SyncerLoop:
                 busy = self._pacer.pending() > 0
                 poller.poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()
+                self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
                 for _ in range(self.options.max_batch):
                     if self.data.backlog_bytes > self.options.max_backlog_bytes:
@@ -516,8 +494,5 @@ class SyncerLoop:
         if self._events is not None:
             self._events.close()
             self._events = None
-        if not self.sock.closed:
-            self.sock.close()  # LINGER lets queued SHUTDOWN frames flush
-        if self.auth is not None:
-            self.auth.stop()
-            self.auth = None
+        self.listener.close()
+        self.auth = None

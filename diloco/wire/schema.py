@@ -27,7 +27,7 @@ PART_ALIGN_ELEMS: int = 4096
 """Part boundaries are multiples of this many elements, so block-quantized payloads never
 straddle two parts."""
 
-DEFAULT_CHUNK_BYTES: int = 4 << 20
+DEFAULT_CHUNK_BYTES: int = 1 << 20
 """Chunk size used by :func:`encode`: large enough that per-frame overhead is
 negligible, small enough that a chunk stays in cache between hashing and copying."""
 

@@ -11,6 +11,7 @@ tests use to send what islands never would.
 from __future__ import annotations
 
 import re
+import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -108,8 +109,10 @@ def _curve_files(tmp: Path) -> tuple[list[str], dict[str, ClientCurve]]:
     return args, curves
 
 
-def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None) -> Setup:
-    """A syncer in ``mode`` with islands a (0) and b (1) at round 1 open, and ``evil``."""
+def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None,
+          soft_nofile: int | None = None) -> Setup:
+    """A syncer in ``mode`` with islands a (0) and b (1) at round 1 open, and ``evil``; ``soft_nofile``
+    starts the syncer under that soft open-file limit."""
     rng = np.random.default_rng(seed)
     if mode == "curve":
         args, curves = _curve_files(tmp)
@@ -119,11 +122,17 @@ def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None
         args, curves, key = ["--key-file", str(tmp / "key")], {}, KEY
     else:
         raise ValueError(mode)
-    syncer = SyncerProc(tmp, [
-        "--islands", "2", "--sync-every", "2", "--total-steps", "2", "--grace-ms", "0", "--quorum-timeout-s", "600",
-        "--dead-after-s", "600", "--part-mib", "0.015625", "--event-log", str(tmp / "events.jsonl"), *args,
-        *(extra or []),
-    ])
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_nofile is not None:  # the syncer inherits it (and must raise it itself)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_nofile, limits[1]))
+    try:
+        syncer = SyncerProc(tmp, [
+            "--islands", "2", "--sync-every", "2", "--total-steps", "2", "--grace-ms", "0", "--quorum-timeout-s",
+            "600", "--dead-after-s", "600", "--part-mib", "0.015625", "--event-log", str(tmp / "events.jsonl"), *args,
+            *(extra or []),
+        ])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     ctx: zmq.Context[Any] = zmq.Context()
     s = Setup(mode, syncer, ctx, key, None, None, None, [], [], curves)  # type: ignore[arg-type]
     s.a, s.b, s.evil = s.island(0), s.island(1), s.island(1, "evil")

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from diloco.wire import PROTOCOL_VERSION, Bcast, Error, Limits, Final, FinalAck, Heartbeat, Hello, Init, Pull, Push, Shutdown, Welcome, encode
+from diloco.syncer.listener import SYNCER_LIMITS
 from syncer_harness import Island, SyncerProc, commit_event, reference_fragment
 
 KEY = b"test-key-0123456789"
@@ -70,7 +71,7 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         evil.send_raw([b"\x00" * 32, b"\xc1\xc1not msgpack"])
         evil.send(hello(evil), key=b"wrong key")
         evil.send(hello(evil, protocol=PROTOCOL_VERSION + 1))
-        too_big = Limits().max_header_bytes + 1
+        too_big = SYNCER_LIMITS.max_header_bytes + 1  # under the frame limit: refused by the wire layer
         evil.send_raw([b"\x00" * 32, b"\x00" * too_big])  # header over the limit
         evil.send(hello(evil, island=5))
         evil.send(hello(evil, fingerprint="other-layout"))
