@@ -61,7 +61,8 @@ import torch.distributed as dist  # noqa: E402
 import zmq  # noqa: E402
 
 warnings.filterwarnings("ignore")
-from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks  # noqa: E402
+from diloco.demo.gpt import ModelSpec, build_island_model  # noqa: E402
+from diloco.demo.ranks import run_ranks  # noqa: E402
 
 log = logging.getLogger("bench_island")
 

@@ -29,7 +29,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "diloco" / "syncer")]
 
-from diloco.testing.fuzz import raw_zmtp_flood  # noqa: E402
+from tests.support.fuzz import raw_zmtp_flood  # noqa: E402
 from security_setup import last_status, rss, start  # noqa: E402
 from syncer_harness import SyncerProc  # noqa: E402
 from test_syncer_security_integ import commit_round_1, counts, run_fuzz  # noqa: E402

@@ -6,7 +6,7 @@ Each island is a megatron-core job (GPTModel + DDP + DistributedOptimizer, gloo)
 DiLoCo part is the same three calls as in any loop: ``start()``, ``step_end()`` after every
 ``optimizer.step()``, ``finish()``, on every rank. ``MegatronLayout`` maps each rank's
 shards onto canonical tensors, so a TP1 and a TP2 island merge into one model and end
-bit-identical. ``diloco.testing.megatron_cpu`` stands in for your own model set-up and
+bit-identical. ``diloco.demo.gpt`` stands in for your own model set-up and
 launcher (torchrun): it builds the model and runs megatron on the CPU.
 """
 
@@ -19,7 +19,8 @@ from diloco.config import IslandConfig
 from diloco.digest import combined_digest, fragment_digests
 from diloco.island.boundary import Island
 from diloco.layout.megatron import MegatronLayout
-from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks
+from diloco.demo.gpt import ModelSpec, build_island_model
+from diloco.demo.ranks import run_ranks
 
 STEPS, SYNC_EVERY, FRAGMENTS, KEY = 24, 6, 2, "example-key-please-change"
 

@@ -27,7 +27,8 @@ import torch
 
 from diloco.corpus import load_corpus
 from diloco.digest import combined_digest, fragment_digests
-from diloco.testing.megatron_cpu import BuiltModel, ModelSpec, build_island_model, run_ranks
+from diloco.demo.gpt import BuiltModel, ModelSpec, build_island_model
+from diloco.demo.ranks import run_ranks
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Generated malformed messages for fuzzing a live syncer (tests and ``benchmarks/fuzz_syncer.py``).
+"""Generated malformed messages for fuzzing a live syncer (tests and ``benchmarks/bench_security.py``).
 
 Structure-aware: most messages start from *valid* captured messages (what real islands
 sent) and break one thing, re-MACed with the right key where the point is to get past the

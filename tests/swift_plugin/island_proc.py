@@ -1,7 +1,7 @@
 """One island for test_callback_integ.py: a real megatron-core job driven like ms-swift drives it.
 
 Run as a script (its own process, so two islands and the syncer are separate processes, as in
-production). It forks ``--world`` ranks with :func:`diloco.testing.megatron_cpu.run_ranks`;
+production). It forks ``--world`` ranks with :func:`diloco.demo.ranks.run_ranks`;
 every rank builds a real GPTModel + DDP + DistributedOptimizer with the requested TP / PP and
 runs the loop of ms-swift's ``BaseMegatronTrainer`` around :class:`YetoIslandHooks`:
 ``on_train_begin`` (then an optional file barrier across islands), then per step
@@ -22,7 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks
+from diloco.demo.gpt import ModelSpec, build_island_model
+from diloco.demo.ranks import run_ranks
 
 
 def _spec() -> ModelSpec:

@@ -31,7 +31,7 @@ from diloco.island.boundary import Island, IslandError
 from diloco.layout.base import ParamSpec
 from diloco.layout.torch_module import TorchLayout
 from diloco.plan import make_plan
-from diloco.testing.megatron_cpu import run_ranks
+from diloco.demo.ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_syncer import FakeSyncer  # noqa: E402

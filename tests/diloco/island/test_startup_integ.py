@@ -21,7 +21,7 @@ from diloco import wire
 from diloco.config import IslandConfig
 from diloco.island.boundary import Island
 from diloco.layout.torch_module import TorchLayout
-from diloco.testing.megatron_cpu import run_ranks
+from diloco.demo.ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_syncer import FakeSyncer  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 warnings.filterwarnings("ignore")
 pytest.importorskip("megatron.core")
 
-from diloco.testing.megatron_cpu import ModelSpec, build_island_model, run_ranks  # noqa: E402
+from diloco.demo.gpt import ModelSpec, build_island_model  # noqa: E402
+from diloco.demo.ranks import run_ranks  # noqa: E402
 
 SPEC = ModelSpec(vocab=150, vocab_pad_to=256, hidden=64, layers=4, heads=4, query_groups=2, ffn=128, seq=8, swiglu=True)
 MOE_SPEC = ModelSpec(vocab=150, vocab_pad_to=256, hidden=64, layers=2, heads=4, query_groups=2, ffn=64, seq=8, moe_experts=4)

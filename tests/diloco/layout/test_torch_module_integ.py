@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.testing.megatron_cpu import run_ranks
+from diloco.demo.ranks import run_ranks
 
 
 def _module() -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """A live syncer under hostile traffic in each security mode (docs/SECURITY.md).
 
-* fuzzing: thousands of generated malformed messages (diloco.testing.fuzz) from an
+* fuzzing: thousands of generated malformed messages (tests.support.fuzz) from an
   authenticated connection: zero crashes, every one refused, RSS bounded, state unchanged,
   and a normal round still commits exactly the numpy reference afterwards;
 * replays of every captured island message kind, from another connection and from the
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
-from diloco.testing.fuzz import Fuzzer, raw_zmtp_flood
+from tests.support.fuzz import Fuzzer, raw_zmtp_flood
 from diloco.wire import Bcast, Error, FinalAck, Final, Heartbeat, Hello, Pull, Shutdown, Welcome, open_message
 from security_setup import P, SHAPES, Setup, hello, last_status, push_header, rss, start, tensors
 from syncer_harness import Island, commit_event, reference_fragment

@@ -1,0 +1,127 @@
+"""Fork the ranks of one island on this machine, each under a gloo default process group.
+
+:func:`run_ranks` is how the demo (and the tests, examples and benchmarks) launch a multi-rank
+island without torchrun: it forks workers after the parent imported megatron (a world-4 launch
+then costs well under a second instead of seconds of imports per worker), gives each a gloo
+default group over a TCPStore the parent owns, collects one JSON-able result per rank, and turns
+any hang or crash into an exception naming the rank; no worker outlives the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Collection
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    timeout_s: float,
+    conn: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        result = fn(rank, world, *args)
+        conn.send_bytes(json.dumps({"ok": True, "result": result}).encode())
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        code = 1
+        with contextlib.suppress(Exception):
+            conn.send_bytes(json.dumps({"ok": False, "error": traceback.format_exc()}).encode())
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+        # os._exit: skip atexit / destructors of objects inherited from the
+        # parent by fork (the parent's TCPStore server thread does not exist here).
+        os._exit(code)
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+              may_die: Collection[int] = ()) -> list[Any]:
+    """Fork `world` workers that each run `fn(rank, world, *args)` under a gloo default group.
+
+    `fn` must be a module-level function and return something JSON-able. The
+    parent must not have created a process group. The parent owns the
+    TCPStore server (port 0, so no port races). Returns every rank's result
+    in rank order. Raises RuntimeError naming the first rank that failed (with
+    its traceback) or TimeoutError naming the ranks still running after
+    `timeout_s`; in both cases every worker is killed first, so a rank blocked
+    in a collective never outlives the call.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("run_ranks: the parent must not hold a process group")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    procs: list[Any] = []
+    conns: list[Any] = []
+    for rank in range(world):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(rank, world, store.port, timeout_s, child_conn, fn, args),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+    results: list[Any] = [None] * world
+    pending = set(range(world))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_ranks: ranks {sorted(pending)} still running after {timeout_s:.0f}s")
+            mp.connection.wait([conns[r] for r in pending], timeout=0.2)
+            for r in sorted(pending):
+                msg = None
+                eof = False
+                if conns[r].poll():
+                    try:
+                        msg = json.loads(conns[r].recv_bytes())
+                    except EOFError:
+                        msg, eof = None, True  # the worker's end closed: it exited without a result
+                if eof:
+                    procs[r].join(timeout=5)
+                if msg is None and not procs[r].is_alive() and (eof or not conns[r].poll()):
+                    if r in may_die:
+                        pending.discard(r)
+                        continue
+                    raise RuntimeError(f"run_ranks: rank {r} died (exit code {procs[r].exitcode}) without a result")
+                if msg is None:
+                    continue
+                if not msg["ok"]:
+                    raise RuntimeError(f"run_ranks: rank {r} failed:\n{msg['error']}")
+                results[r] = msg["result"]
+                pending.discard(r)
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                # Ranks blocked in a collective wait for a peer that failed; kill them.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        del store
+    return results
