@@ -24,6 +24,7 @@ from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
 from diloco.syncer.loop import LoopOptions, SyncerLoop
+from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
 
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics and /healthz on this HTTP port (0: off; needs the metrics extra)")
+    p.add_argument("--metrics-bind", default="127.0.0.1",
+                   help="address of the metrics endpoint (default loopback only; docs/SECURITY.md)")
+    p.add_argument("--metrics-linger-s", type=float, default=0.0,
+                   help="after the run, keep serving the final metrics this long (a signal ends it)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
     return p
 
@@ -176,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resume: needs --checkpoint-dir")
         if not args.status_every_s > 0:
             raise ConfigError(f"--status-every-s: must be > 0, got {args.status_every_s}")
+        if not 0 <= args.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port: must be 0 (off) or a TCP port, got {args.metrics_port}")
+        if not args.metrics_linger_s >= 0:
+            raise ConfigError(f"--metrics-linger-s: must be >= 0, got {args.metrics_linger_s}")
         key = _read_key(args.key_file)
         curve = _curve(args, key)
     except ConfigError as e:
@@ -232,4 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     # Tests and launchers read the real endpoint from here when zmq picked the port
     # (``--bind tcp://127.0.0.1:*``, or ``:0``: zmq accepts both).
     log.info("bound %s", loop.endpoint)
-    return loop.run()
+    metrics = None
+    if args.metrics_port:
+        try:
+            metrics = serve_loop(loop, args.metrics_port, args.metrics_bind)
+        except (MetricsUnavailable, OSError) as e:
+            log.error("--metrics-port/--metrics-bind: cannot serve metrics: %s", e)
+            loop.close()
+            return EXIT_CONFIG
+    code = loop.run()
+    if metrics is not None:
+        metrics.finish(loop, args.metrics_linger_s)
+    return code
