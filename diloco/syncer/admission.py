@@ -16,7 +16,6 @@ import math
 import random
 from typing import TYPE_CHECKING
 
-import torch
 
 from diloco.syncer.checks import Dropped, Refused, check_schema
 from diloco.syncer.fields import StateFields
@@ -253,13 +252,14 @@ class Admission(StateFields):
         if h.part == 0:
             # (Re)start of the stream: a redialed island 0 streams INIT again from part 0.
             frag.schema, frag.layout = schema, layout
-            frag.value = self.pool.empty((layout.numel,), torch.float32)
-            frag.momentum = self.pool.empty((layout.numel,), torch.float32)
+            frag.value = self.book.fresh(layout.numel, "value")
+            frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
+            frag.value_absmax = [float("inf")] * layout.n_parts(E)
             frag.init_next_part = frag.init_done_parts = 0
-        assert frag.value is not None and frag.momentum is not None
+        assert frag.value is not None
         lo, _hi = layout.part_range(h.part, E)
         frag.init_next_part += 1
-        self.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value, frag.momentum))
+        self.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value))
         self._touch(rec, msg, now)
 
     def _on_init_copied(self, work: InitPart, result: Result, out: list[Out]) -> None:
@@ -275,6 +275,7 @@ class Admission(StateFields):
             out.append(Outgoing(self.islands[0].peer, Error(code="bad_init", reason=result.error)))
             return
         frag.init_done_parts += 1
+        frag.value_absmax[work.part] = result.absmax[0]
         assert frag.layout is not None
         if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
             frag.initialised = True
@@ -284,7 +285,6 @@ class Admission(StateFields):
                      frag.layout.numel * 4 / 2**20)
 
     def _size_pool(self) -> None:
-        """Keep at most two fragment buffers idle: a freed value is the next round's sum and a
-        freed momentum the next commit's momentum; more idle memory would only be resident for nothing."""
-        largest = max((f.layout.numel * 4 for f in self.fragments if f.layout is not None), default=0)
-        self.pool.max_idle_bytes = 2 * largest
+        """Log the syncer's buffers by kind once every fragment's size is known (``book.FragmentBook``)."""
+        if self.initialised:
+            self.book.log_budget(self.fragments)

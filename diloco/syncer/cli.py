@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-refusals", type=int, default=5,
                    help="an island whose pushes are refused this many times in a row leaves the rounds until it "
                         "says HELLO again")
+    p.add_argument("--max-open-rounds", type=int, default=2,
+                   help="rounds open at once (each holds one fragment's running sum); a further round opens "
+                        "once one commits")
     p.add_argument("--stream-window", type=int, default=2,
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             max_fragment_bytes=int(args.max_fragment_gib * 2**30),
             quant_block=args.quant_block,
             max_refusals=args.max_refusals,
+            max_open_rounds=args.max_open_rounds,
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")

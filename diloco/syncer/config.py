@@ -54,6 +54,9 @@ class SyncerConfig:
             plan above it is refused at HELLO with the fix.
         max_refusals: an island whose pushes are refused this many times in a row is
             evicted from rounds until it says HELLO again (``--max-refusals``).
+        max_open_rounds: rounds open at once, committing ones included (``--max-open-rounds``):
+            each holds one fragment's running sum, so this bounds the sums' memory; the round
+            clock opens no further round (no PULL, so no push arrives for it) until one commits.
         quant_block: elements per scale of ``int8`` / ``q4`` pushes (``--quant-block``); an
             island with another block size is refused at HELLO.
         flush_merge: how flush rounds merge (``--flush-merge``): ``mean`` (default) moves the
@@ -81,6 +84,7 @@ class SyncerConfig:
     max_fragment_bytes: int = 32 << 30
     quant_block: int = 64
     max_refusals: int = 5
+    max_open_rounds: int = 2
     flush_merge: str = "mean"
 
     def __post_init__(self) -> None:
@@ -114,6 +118,8 @@ class SyncerConfig:
              f"must be a power of two in [8, 4096], got {self.quant_block}")
         need(isinstance(self.max_refusals, int) and self.max_refusals >= 1, "--max-refusals",
              f"must be >= 1, got {self.max_refusals}")
+        need(isinstance(self.max_open_rounds, int) and self.max_open_rounds >= 1, "--max-open-rounds",
+             f"must be >= 1, got {self.max_open_rounds}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property

@@ -44,6 +44,7 @@ import torch
 from diloco import quant
 from diloco.digest import tensor_digest
 from diloco.outer import OuterHyper
+from diloco.syncer.kernels import BLOCK, Scratch, absmax, fold_views, outer_step
 from diloco.wire import Opened, Payload, WireError, encode_payload
 from diloco.wire.parts import FragmentLayout
 
@@ -53,8 +54,8 @@ TEST_DELAY_S = float(os.environ.get("YETO_TEST_DATAPLANE_DELAY_S", "") or 0.0)
 """Test hook, off by default: every work item sleeps this long first (a data plane made
 artificially slow, to show the control loop keeps answering while it works)."""
 
-COMMIT_BLOCK = 1 << 18
-"""Elements per cache block of the commit (1 MiB per fp32 buffer; ~4 buffers stay in L2)."""
+COMMIT_BLOCK = BLOCK
+"""Elements per cache block of the fold and the commit (``kernels.BLOCK``)."""
 
 
 @dataclass
@@ -65,6 +66,8 @@ class RoundSum:
     writes ``w * d``, later ones add): touched only by the worker that owns part ``k``.
     ``void`` is set by the loop when the attempt is dropped: queued folds then skip.
     ``fold_order[k]`` is the island order of part ``k``'s folds, recorded at dispatch.
+    ``absmax[k]`` is ``max |s|`` over part ``k`` after its latest fold (``inf``: unknown or overflowed),
+    written by the worker that owns part ``k``; the commit's overflow bound reads it.
     """
 
     round: int
@@ -75,10 +78,12 @@ class RoundSum:
     started: list[bool] = field(default_factory=list)
     fold_order: list[list[int]] = field(default_factory=list)
     void: bool = False
+    absmax: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.started = [False] * self.n_parts
         self.fold_order = [[] for _ in range(self.n_parts)]
+        self.absmax = [math.inf] * self.n_parts
 
 
 @dataclass
@@ -102,7 +107,6 @@ class InitPart:
     lo: int
     opened: Opened
     value: torch.Tensor
-    momentum: torch.Tensor
 
 
 @dataclass
@@ -113,8 +117,11 @@ class CommitPart:
     lo: int
     hi: int
     value: torch.Tensor
-    momentum: torch.Tensor
+    momentum: torch.Tensor | None
+    """None with momentum 0 (no buffer); else updated in place unless ``new_momentum`` is given."""
     new_momentum: torch.Tensor | None
+    """Where the new momentum goes when a checkpoint in flight still reads the old one (or the
+    overflow bound could not be proven): the result is then checked finite before it is kept."""
     sum: RoundSum
     total_weight: int
     hyper: OuterHyper
@@ -165,27 +172,17 @@ class Result:
     payloads: dict[str, Payload] = field(default_factory=dict)
     seconds: float = 0.0
     digest: str | None = None
+    absmax: tuple[float, float] = (math.inf, math.inf)
+    """``max |value|`` and ``max |momentum|`` over the part written (INIT, commit); ``inf`` unknown."""
 
 
-class _Scratch:
-    """One fp32 buffer per worker, grown to the largest chunk seen, then reused."""
-
-    def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.float32)
-
-    def get(self, n: int) -> torch.Tensor:
-        if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.float32)
-        return self.buf[:n]
+def _check_finite(views: list[tuple[int, int, torch.Tensor]], what: str, metas: tuple) -> None:
+    for i, _off, view in views:
+        if absmax(view) == math.inf:
+            raise WireError(f"{what} {metas[i].name[:80]!r} holds NaN or Inf")
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """All elements finite, in one reduction pass and no large temporary (NaN/Inf propagate
-    into an fp64 sum, which cannot overflow for fp32 inputs of this size)."""
-    return math.isfinite(float(torch.sum(t, dtype=torch.float64)))
-
-
-def fold_part(w: FoldPart, scratch: _Scratch) -> None:
+def fold_part(w: FoldPart, scratch: Scratch) -> None:
     """Fold one verified part: ``s = w * d`` for the first contribution, ``s = s + w * d`` after."""
     if w.sum.void:
         return
@@ -193,25 +190,13 @@ def fold_part(w: FoldPart, scratch: _Scratch) -> None:
         _fold_quant_part(w)
         return
     w.opened.verify(parallel=False)
-    weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
     views = w.opened.chunk_views()
-    starts = _segment_starts(w.opened, w.lo)
-    first = not w.sum.started[w.part]
     # Check everything first: a refused part must not have touched the sum.
-    for i, _off, view in views:
-        if not _finite(view):
-            raise WireError(f"segment {w.opened.metas[i].name[:80]!r} holds NaN or Inf")
-    for i, off, view in views:
-        pos = starts[i] + off
-        dst = w.sum.flat[pos : pos + view.numel()]
-        target = dst if first else scratch.get(view.numel())
-        if view.dtype == torch.float32:
-            torch.mul(view, weight, out=target)
-        else:
-            target.copy_(view)  # upcast first: a bf16 multiply would round to bf16
-            target.mul_(weight)
-        if not first:
-            dst.add_(target)
+    _check_finite(views, "segment", w.opened.metas)
+    starts = _segment_starts(w.opened, w.lo)
+    placed = [(starts[i] + off, view) for i, off, view in views]
+    # float(weight) is rounded to fp32 by the kernel, like np.float32(w)
+    w.sum.absmax[w.part] = fold_views(placed, w.sum.flat, float(w.weight), not w.sum.started[w.part], scratch)
     w.sum.started[w.part] = True
 
 
@@ -232,6 +217,7 @@ def _fold_quant_part(w: FoldPart) -> None:
     if not w.sum.started[w.part]:
         out.zero_()
     quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight))
+    w.sum.absmax[w.part] = absmax(out)
     w.sum.started[w.part] = True
 
 
@@ -244,49 +230,33 @@ def _segment_starts(opened: Opened, lo: int) -> list[int]:
     return starts
 
 
-def init_part(w: InitPart) -> None:
+def init_part(w: InitPart) -> float:
+    """Copy a verified INIT part into the value; returns its ``max |value|``."""
     starts = _segment_starts(w.opened, w.lo)
     dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
     w.opened.copy_into(dests, parallel=False)
     hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
-    if not _finite(w.value[w.lo : hi]):
+    vmax = max((absmax(w.value[a : min(hi, a + BLOCK)]) for a in range(w.lo, hi, BLOCK)), default=0.0)
+    if vmax == math.inf:
         raise WireError(f"INIT part {w.part} holds NaN or Inf")
-    w.momentum[w.lo : hi].zero_()
+    return vmax
 
 
-def commit_part(w: CommitPart, scratch: _Scratch) -> dict[str, Payload]:
-    """The outer step on elements ``[lo, hi)``, out of place into the sum (see ``diloco.outer``)::
-
-        d = s / W;  g = -d;  m = mu * m + g;  value' = value - lr * (g + mu * m)
-
-    one fp32 operation at a time over cache blocks, so a numpy reference matches bit for bit.
-    """
-    mu, lr, total = float(w.hyper.momentum), float(w.hyper.lr), float(w.total_weight)
-    for a in range(w.lo, w.hi, COMMIT_BLOCK):
-        b = min(w.hi, a + COMMIT_BLOCK)
-        acc = w.sum.flat[a:b]
-        tmp = scratch.get(b - a)
-        acc.div_(total)  # d
-        acc.neg_()  # g
-        if w.new_momentum is None:
-            m = w.momentum[a:b]
-            m.mul_(mu)
-        else:  # a checkpoint still reads the old momentum: write the new one beside it
-            m = w.new_momentum[a:b]
-            torch.mul(w.momentum[a:b], mu, out=m)
-        m.add_(acc)  # m = mu * m + g
-        torch.mul(m, mu, out=tmp)
-        tmp.add_(acc)  # g + mu * m
-        tmp.mul_(lr)
-        torch.sub(w.value[a:b], tmp, out=acc)  # the new value, where the sum was
-        if w.new_momentum is not None and not (_finite(acc) and _finite(m)):
-            # A huge (finite) delta can overflow the merged value: refuse the commit. Value and
-            # momentum were written out of place, so the state drops it having changed nothing.
-            raise WireError(f"the outer step's result is not finite in elements [{a}, {b})")
+def commit_part(w: CommitPart, scratch: Scratch) -> tuple[dict[str, Payload], tuple[float, float]]:
+    """The outer step on elements ``[lo, hi)`` (``kernels.outer_step``), out of place into the sum,
+    then the broadcast payloads of the part (digests; one bf16 conversion)."""
+    mu = float(w.hyper.momentum)
+    vmax, mmax = outer_step(w.sum.flat, w.value, w.momentum if mu > 0 else None, w.new_momentum, w.lo, w.hi,
+                            float(w.total_weight), float(w.hyper.lr), mu, scratch)
+    if vmax == math.inf or mmax == math.inf:
+        # A huge (finite) delta can overflow the merged value: refuse the commit. The value (and
+        # a pinned momentum) were written out of place, so the state drops it having changed nothing.
+        raise WireError(f"the outer step's result is not finite in elements [{w.lo}, {w.hi})")
     k = w.part
-    return {
+    payloads = {
         dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype, w.seed) for dtype in w.encode_dtypes
     }
+    return payloads, (vmax, mmax)
 
 
 def encode_part_payload(value: torch.Tensor, layout: FragmentLayout, k: int, part_elems: int, dtype: str,
@@ -341,7 +311,7 @@ class DataPlane:
             t.join(timeout=10)
 
     def _run(self, q: queue.SimpleQueue[Work | None]) -> None:
-        scratch = _Scratch()
+        scratch = Scratch()
         while True:
             work = q.get()
             if work is None:
@@ -357,13 +327,13 @@ class DataPlane:
             del work, result
 
 
-def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
+def run_work(work: Work, scratch: Scratch | None = None) -> Result:
     """Run one work item here and now (workers call this; tests call it inline).
 
     Never raises: a refused payload (bad digest, NaN) is ``Result.error``; a bug is
     logged and reported the same way, so a worker thread never dies.
     """
-    scratch = scratch or _Scratch()
+    scratch = scratch or Scratch()
     if TEST_DELAY_S > 0:
         time.sleep(TEST_DELAY_S)
     t0 = time.perf_counter()
@@ -372,9 +342,9 @@ def run_work(work: Work, scratch: _Scratch | None = None) -> Result:
         if isinstance(work, FoldPart):
             fold_part(work, scratch)
         elif isinstance(work, InitPart):
-            init_part(work)
+            result.absmax = (init_part(work), 0.0)
         elif isinstance(work, CommitPart):
-            result.payloads = commit_part(work, scratch)
+            result.payloads, result.absmax = commit_part(work, scratch)
         elif isinstance(work, DigestFragment):
             result.digest = tensor_digest(work.layout.flat_views(work.value))
         else:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from diloco.syncer.book import FragmentBook
 from diloco.syncer.config import SyncerConfig
+from diloco.outer import OuterHyper
 from diloco.syncer.dataplane import Work
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
 from diloco.wire import HostBufferPool
@@ -25,11 +27,21 @@ class StateFields:
     config: SyncerConfig
     syncer_id: int
     pool: HostBufferPool
+    book: FragmentBook
+    hyper: OuterHyper
+    flush_hyper: OuterHyper
+    merge_stats: tuple[float, float] | None
+    next_open: int
+    commits: int
+    changed_training: int
+    changed_flush: int
+    flush_left: set[int] | None
+    checkpoint_due: bool
+    digest_seed: int
     islands: list[IslandRecord]
     fingerprint: str | None
     fragments: list[FragmentRecord]
     rounds: dict[int, RoundRecord]
-    next_open: int
     next_commit: int
     phase: str
     refusals: int
@@ -56,3 +68,7 @@ class StateFields:
         def _size_pool(self) -> None: ...
         def _restart_attempt(self, r: RoundRecord, now: float, out: list[Out], why: str,
                              resend: bool = False) -> None: ...
+        def _count_refusal(self, rec: IslandRecord, why: str, now: float, out: list[Out]) -> None: ...
+        def _drop_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None: ...
+        def _maybe_start_grace(self, r: RoundRecord, now: float) -> None: ...
+        def _start_commits(self, now: float, out: list[Out]) -> None: ...

@@ -88,7 +88,10 @@ class FragmentRecord:
     order (``layout``); tensors are views of them.  ``value`` is never written in place:
     a commit writes the next value out of place (into the round's sum buffer), so
     broadcast frames and checkpoints may keep referencing a published value while the
-    next commit runs.  Momentum is updated in place unless a checkpoint pins it.
+    next commit runs.  ``momentum`` exists only with ``--outer-momentum > 0`` (allocated,
+    zero, by the first commit that needs it) and is updated in place unless a checkpoint
+    pins it.  ``value_absmax[k]`` / ``momentum_absmax[k]`` bound ``|value|`` / ``|momentum|``
+    over part ``k`` (``inf``: unknown), for the commit's overflow bound.
     """
 
     index: int
@@ -108,6 +111,10 @@ class FragmentRecord:
     fragment's last round before the checkpoint's next round. Cuts carry it."""
     digest: str | None = None
     """``tensor_digest`` of the final value, computed on the data plane at finalization."""
+    value_absmax: list[float] = field(default_factory=list)
+    momentum_absmax: list[float] = field(default_factory=list)
+    commit_s: float = 0.0
+    """Seconds of the fragment's last commit (first part started -> last part done)."""
 
 
 @dataclass
@@ -156,6 +163,11 @@ class RoundRecord:
     commit_failed: str | None = None
     """Why a part of the commit was refused (its result not finite): the round is re-pulled."""
     new_momentum: torch.Tensor | None = None
+    """The commit's momentum, written beside the old one (a pinned or unbounded commit only)."""
+    committing: bool = False
+    commit_started: float = 0.0
+    commit_absmax: list[tuple[float, float]] = field(default_factory=list)
+    """Per part ``(max |value'|, max |momentum'|)`` the data plane reported for the commit."""
     commit_started: float = 0.0
     """Clock when the commit of the current attempt started (its event's ``commit_s`` counts from it)."""
 
@@ -198,6 +210,7 @@ class FragmentSnapshot:
     schema: tuple[TensorSpec, ...]
     value: torch.Tensor
     momentum: torch.Tensor
+    """Zeros (lazily mapped, no resident memory) for a fragment that has no momentum buffer."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.syncer.book import zeros
 from diloco.syncer.checks import Refused
 from diloco.syncer.fields import StateFields
 from diloco.syncer.records import (
@@ -145,7 +146,7 @@ class Recovery(StateFields):
         frag = self.fragments[r.fragment]
         frag.committing = False
         r.new_momentum = None
-        r.closed = False
+        r.closed = r.committing = False
         self.refusals += 1
         log.error("round %d fragment %d attempt %d: the outer step's result is not finite (%s); nothing "
                   "committed (fragment stays at version %d), re-pulling", r.round, r.fragment, r.attempt,
@@ -172,8 +173,10 @@ class Recovery(StateFields):
         self.pinned = set(range(len(self.fragments)))
         frags = []
         for f in self.fragments:
-            assert f.value is not None and f.momentum is not None
-            frags.append(FragmentSnapshot(f.version, f.schema, f.value, f.momentum))
+            assert f.value is not None and f.layout is not None
+            # No momentum buffer (momentum 0, or no commit yet): zeros that occupy no memory.
+            momentum = f.momentum if f.momentum is not None else zeros(f.layout.numel)
+            frags.append(FragmentSnapshot(f.version, f.schema, f.value, momentum))
         return Snapshot(
             fingerprint=self.fingerprint,
             n_fragments=self.n_fragments,
@@ -205,9 +208,13 @@ class Recovery(StateFields):
             # Rounds before next_round are committed: fragment idx's last is the largest such
             # t with (t − 1) mod P == idx (rounds run fragments in turn).
             last = snap.next_round - 1 - ((snap.next_round - 2 - idx) % snap.n_fragments)
+            n_parts = layout.n_parts(self.config.part_elems)
+            momentum = fs.momentum.contiguous() if self.config.outer_momentum > 0 else None
+            # Magnitudes unknown until the first commit: it writes its momentum beside the old one.
             frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=fs.value.contiguous(),
-                                        momentum=fs.momentum.contiguous(), version=fs.version, initialised=True,
-                                        round=max(0, last)))
+                                        momentum=momentum, version=fs.version, initialised=True,
+                                        round=max(0, last), value_absmax=[float("inf")] * n_parts,
+                                        momentum_absmax=[float("inf")] * n_parts))
         for island, led in snap.ledgers.items():
             if 0 <= island < self.config.islands:
                 ledger = self.islands[island].ledger

@@ -54,6 +54,8 @@ class RoundClock(StateFields):
                 fragment = (t - 1) % p
                 if any(r.fragment == fragment for r in self.rounds.values()):
                     return  # the previous round of this fragment is still uncommitted
+                if len(self.rounds) >= self.config.max_open_rounds:
+                    return  # --max-open-rounds: each open round holds a running sum
                 self._open(t, fragment, members, now, out, flush=False)
                 log.info("open round %d fragment %d (clock step %d >= %d), members %s", t, fragment, clock,
                          threshold, sorted(members))
@@ -67,6 +69,8 @@ class RoundClock(StateFields):
                 continue
             if any(r.flush and r.fragment == fragment for r in self.rounds.values()):
                 continue
+            if len(self.rounds) >= self.config.max_open_rounds:
+                return
             self._open(self.next_open, fragment, members, now, out, flush=True)
             log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))
 

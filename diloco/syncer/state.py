@@ -16,10 +16,11 @@ answers the peer with ERROR.  A part refused by the data plane (bad digest, NaN)
 cannot be taken out of the running sum again, so it voids its attempt: the round
 is re-pulled with ``attempt + 1``.
 
-The rules live in four modules, one concept each, all methods of this one class: this one
-(entry points, PUSH, quorum, commit), ``admission`` (sessions, HELLO, INIT), ``recovery``
-(lost messages, refusals, dropped attempts, checkpoints) and ``rounds`` (the round clock,
-flush rounds, finalization).
+The rules live in five modules, one concept each, all methods of this one class: this one
+(entry points, PUSH, cuts), ``commit`` (fold results, quorum, commits), ``admission``
+(sessions, HELLO, INIT), ``recovery`` (lost messages, refusals, dropped attempts,
+checkpoints) and ``rounds`` (the round clock, flush rounds, finalization).  The buffers of
+the fragments' state are allocated and accounted by ``book.FragmentBook``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import random
 from collections import Counter
 from typing import Any
 
-import torch
 
 from diloco.outer import OuterHyper, push_weight
 from diloco.syncer.admission import Admission
+from diloco.syncer.book import FragmentBook
 from diloco.syncer.checks import Dropped, Refused
+from diloco.syncer.commit import Merge
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.recovery import Recovery
@@ -66,7 +68,7 @@ log = logging.getLogger(__name__)
 Out = Outgoing | OutStream
 
 
-class SyncerState(Admission, Recovery, RoundClock):
+class SyncerState(Merge, Admission, Recovery, RoundClock):
     """All syncer state and the transitions between states.
 
     Args:
@@ -83,8 +85,11 @@ class SyncerState(Admission, Recovery, RoundClock):
         self.hyper = OuterHyper(lr=config.outer_lr, momentum=config.outer_momentum)
         self.flush_hyper = OuterHyper(lr=1.0, momentum=0.0) if config.flush_merge == "mean" else self.hyper
         """The flush rounds' step: the plain weighted mean by default (``--flush-merge``)."""
-        self.pool = HostBufferPool(max_idle_bytes=2 << 30)
-        """Sum / value / momentum buffers: a freed value becomes the next round's sum."""
+        self.pool = HostBufferPool()
+        """Sum / value / momentum buffers; idle ones capped at a few parts (``book.IDLE_PARTS``)."""
+        self.book = FragmentBook(config, self.pool)
+        self.merge_stats: tuple[float, float] | None = None
+        """(GB/s, seconds) of the last commit: fragment bytes over its commit time."""
         self.islands = [IslandRecord(i) for i in range(config.islands)]
         self.fingerprint: str | None = None
         self.fragments: list[FragmentRecord] = []
@@ -168,10 +173,13 @@ class SyncerState(Admission, Recovery, RoundClock):
         )
         live = ",".join(str(i.island) for i in self.live())
         m = self.merged_summary()
+        commit_s = ",".join(f"{f.commit_s:.2f}" for f in self.fragments[:16])
+        merge = f"{self.merge_stats[0]:.2f}GB/s" if self.merge_stats else "-"
         return (
             f"phase={self.phase} next_round={self.next_open} open=[{rounds}] live=[{live}] "
             f"versions={list(self.versions())} commits={self.commits} changed={m['changed_in_training']}"
-            f"+{m['changed_in_flush']}/{m['scheduled_rounds']} refusals={self.refusals}"
+            f"+{m['changed_in_flush']}/{m['scheduled_rounds']} refusals={self.refusals} "
+            f"commit_s=[{commit_s}] merge={merge}"
         )
 
     # ------------------------------------------------------------------ entry points
@@ -354,38 +362,12 @@ class SyncerState(Admission, Recovery, RoundClock):
             self._maybe_start_grace(r, now)
             return
         if r.sum is None:
-            r.sum = RoundSum(r.round, r.attempt, r.fragment, self.pool.empty((frag.layout.numel,), torch.float32),
+            r.sum = RoundSum(r.round, r.attempt, r.fragment, self.book.fresh(frag.layout.numel, "sum"),
                              frag.layout.n_parts(E))
         lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
         self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo))
-
-    def _on_folded(self, work: FoldPart, result: Result, now: float, out: list[Out]) -> None:
-        r = self.rounds.get(work.sum.round)
-        if r is None or r.sum is not work.sum:
-            return  # the attempt was dropped meanwhile
-        if result.error:
-            self.refusals += 1
-            log.warning("round %d attempt %d: part %d from island %d refused (%s): it is folded into nothing, "
-                        "but earlier parts were; dropping the attempt", r.round, r.attempt, work.part, work.island,
-                        result.error)
-            isl = self.islands[work.island]
-            out.append(Outgoing(isl.peer, Error(code="bad_push", reason=result.error)))
-            self._count_refusal(isl, f"bad_push: {result.error}", now, out)
-            self._restart_attempt(r, now, out, f"a part of island {work.island} was refused")
-            return
-        push = r.pushes[work.island]
-        push.folded += 1
-        if push.complete:
-            self.islands[work.island].refusals_in_row = 0
-            self._maybe_start_grace(r, now)
-
-
-    def _maybe_start_grace(self, r: RoundRecord, now: float) -> None:
-        done = sum(p.complete for p in r.pushes.values())
-        if done >= self.config.effective_quorum and r.grace_deadline is None:
-            r.grace_deadline = now + self.config.grace_ms / 1000.0
 
     def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
@@ -448,9 +430,7 @@ class SyncerState(Admission, Recovery, RoundClock):
             return out
         for r in sorted(self.rounds.values(), key=lambda r: r.round):
             self._check_quorum(r, now, out)
-        r = self.rounds.get(self.next_commit)
-        if r is not None and r.closed and not any(f.committing for f in self.fragments):
-            self._start_commit(r, now, out)
+        self._start_commits(now, out)
         self._deliver_cuts(out)
         self._open_rounds(now, out)
         self._maybe_finalize(now, out)
@@ -460,125 +440,6 @@ class SyncerState(Admission, Recovery, RoundClock):
     def _pull(self, r: RoundRecord, island: int) -> Outgoing:
         return Outgoing(self.islands[island].peer, Pull(fragment=r.fragment, round=r.round, attempt=r.attempt))
 
-
-    def _check_quorum(self, r: RoundRecord, now: float, out: list[Out]) -> None:
-        """Close, wait, or drop the attempt (docs/PROTOCOL.md, "Quorum").
-
-        A push that has started streaming is already in the running sum and cannot be
-        taken out again: while it keeps sending parts the round waits for it; if it
-        stalls (no part for ``--dead-after-s``), the whole attempt is dropped."""
-        if r.closed:
-            return
-        k = self.config.effective_quorum
-        complete = sum(p.complete for p in r.pushes.values())
-        partial = [p for p in r.pushes.values() if not p.complete]
-        stalled = [p for p in partial if now - p.last_part_at > self.config.dead_after_s]
-        if stalled:
-            self._restart_attempt(r, now, out, f"the push of island {stalled[0].island} stalled mid-stream")
-        elif r.members and complete == len(r.members):
-            r.closed = True
-        elif complete >= k and r.grace_deadline is not None and now >= r.grace_deadline and not partial:
-            r.closed = True
-        elif complete < k and not partial and now - r.attempt_started >= self.config.quorum_timeout_s:
-            self._restart_attempt(r, now, out, f"{complete}/{len(r.members)} pushes after "
-                                               f"{now - r.attempt_started:.1f}s, quorum {k}", resend=True)
-
-    def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
-        """Merge a closed round (the earliest uncommitted one) on the data plane."""
-        frag = self.fragments[r.fragment]
-        r.commit_started = now
-        total = sum(p.weight for p in r.pushes.values())
-        if total == 0 or r.sum is None:
-            self._finish_commit(r, now, out, changed=False)
-            return
-        assert frag.layout is not None and frag.value is not None and frag.momentum is not None
-        # The new momentum is written beside the old one (which a checkpoint in flight may read,
-        # too): a commit whose result is not finite is then dropped leaving value and momentum
-        # exactly as they were.
-        r.new_momentum = self.pool.empty((frag.layout.numel,), torch.float32)
-        r.commit_failed = None
-        E = self.config.part_elems
-        dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
-        n = frag.layout.n_parts(E)
-        r.commit_parts_left = n
-        frag.committing = True
-        hyper = self.flush_hyper if r.flush else self.hyper
-        for k in range(n):
-            lo, hi = frag.layout.part_range(k, E)
-            self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
-                                        r.sum, total, hyper, frag.layout, E, dtypes, frag.version + 1,
-                                        self.digest_seed))
-
-    def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
-        r = self.rounds.get(work.round)
-        if r is None or r.sum is not work.sum:
-            return
-        if result.error:
-            log.error("commit of round %d part %d refused: %s", work.round, work.part, result.error)
-            r.commit_failed = r.commit_failed or result.error
-        r.commit_parts_left -= 1
-        if r.commit_parts_left == 0 and r.commit_failed:
-            self._drop_commit(r, now, out)
-        elif r.commit_parts_left == 0:
-            self._finish_commit(r, now, out, changed=True)
-
-
-    def _finish_commit(self, r: RoundRecord, now: float, out: list[Out], changed: bool) -> None:
-        frag = self.fragments[r.fragment]
-        pushes = [r.pushes[i] for i in sorted(r.pushes)]
-        if changed:
-            assert r.sum is not None
-            frag.value = r.sum.flat  # the new value was written where the sum was
-            if r.new_momentum is not None:
-                frag.momentum = r.new_momentum
-                self.pinned.discard(r.fragment)
-            frag.version += 1
-            frag.round = r.round
-            if r.flush:
-                self.changed_flush += 1
-            else:
-                self.changed_training += 1
-            if self.config.checkpoint_every > 0 and (self.commits + 1) % self.config.checkpoint_every == 0:
-                self.checkpoint_due = True
-        frag.committing = False
-        for p in pushes:
-            led = self.islands[p.island].ledger
-            led.merges += 1 if p.weight > 0 else 0
-            led.steps += p.local_steps
-            led.tokens += p.tokens
-        del self.rounds[r.round]
-        self.next_commit += 1
-        self.commits += 1
-        if self.flush_left is not None and r.flush:
-            self.flush_left.discard(r.fragment)
-        order = r.sum.fold_order if r.sum is not None else []
-        self.events.append(
-            {
-                "time": now,
-                "round": r.round,
-                "fragment": r.fragment,
-                "version": frag.version,
-                "attempt": r.attempt,
-                "members": sorted(r.members),
-                "pushed": [p.island for p in pushes],
-                "weights": {str(p.island): p.weight for p in pushes},
-                "fold_order": order[0] if order and all(o == order[0] for o in order) else order,
-                "changed": changed,
-                "flush": r.flush,
-                "commit_s": round(now - r.commit_started, 6),
-            }
-        )
-        log.info(
-            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)",
-            r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
-            ", flush" if r.flush else "",
-        )
-        if not changed:
-            return
-        # Islands still waiting for their cut get this version with the cut instead.
-        for isl in self.live():
-            if isl.cut_sent:
-                out.append(self._bcast(isl, frag, r.round, cut=False))
 
     def _bcast(self, isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> OutStream:
         return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, bcast_dtype(isl.wire_dtype))

@@ -84,7 +84,8 @@ def open_round(d: Driver, rnd: int, now: float = 1.0) -> None:
 
 def frag_state(d: Driver) -> tuple[np.ndarray, np.ndarray]:
     f = d.st.fragments[0]
-    return f.value.numpy().copy(), f.momentum.numpy().copy()
+    m = f.momentum.numpy().copy() if f.momentum is not None else np.zeros(f.layout.numel, np.float32)
+    return f.value.numpy().copy(), m
 
 
 def check_commit(d: Driver, v0: np.ndarray, m0: np.ndarray, deltas: dict[int, list], event: dict) -> None:

@@ -1,0 +1,90 @@
+"""Where the syncer's memory goes: the buffers of the fragments' state, allocated and accounted here.
+
+Every buffer that grows with the model is one of four kinds, each with a budget
+(docs/ARCHITECTURE.md, "Memory"), logged with its size once the fragments are known:
+
+* ``values``: one fp32 value per fragment (4 B/param), always;
+* ``momentum``: one fp32 buffer per fragment, only with ``--outer-momentum > 0``, allocated
+  zero (lazily mapped pages) by the first commit that needs it and updated in place;
+* ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments;
+  a committed sum becomes the fragment's next value, and the old value is freed;
+* ``ring``: idle part-sized buffers of the pool, at most :data:`IDLE_PARTS` parts.
+
+Broadcast payloads are fp32 views of the value (no copy) or one bf16 part encoded on demand;
+nothing else is cached per fragment.  Fresh buffers are ``numpy.empty`` arrays: above glibc's
+mmap threshold they are their own mappings, so a freed fragment buffer goes back to the OS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.records import FragmentRecord
+from diloco.wire import HostBufferPool
+
+log = logging.getLogger(__name__)
+
+IDLE_PARTS = 4
+"""Idle buffers the pool keeps, in parts (``--part-mib`` each): a freed fragment-sized buffer is freed."""
+
+
+class FragmentBook:
+    """Allocates the fragments' value, momentum and sum buffers; says what they cost.
+
+    Args:
+        config: the syncer's settings (momentum, part size, open rounds).
+        pool: the pool fragment buffers come from; its idle bytes are capped at
+            :data:`IDLE_PARTS` parts (set here).
+    """
+
+    def __init__(self, config: SyncerConfig, pool: HostBufferPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.pool.max_idle_bytes = IDLE_PARTS * config.part_elems * 4
+        self._logged = False
+
+    def fresh(self, numel: int, what: str = "") -> torch.Tensor:
+        """An uninitialised flat fp32 buffer of ``numel`` elements (a value or a sum)."""
+        return self.pool.empty((numel,), torch.float32)
+
+    def ensure_momentum(self, frag: FragmentRecord) -> None:
+        """Give ``frag`` its zero momentum if it has none (the first commit with momentum > 0)."""
+        if frag.momentum is not None:
+            return
+        assert frag.layout is not None
+        frag.momentum = zeros(frag.layout.numel)
+        frag.momentum_absmax = [0.0] * len(frag.value_absmax)
+        log.info("fragment %d: momentum allocated (%.1f MiB, zero)", frag.index, frag.layout.numel * 4 / 2**20)
+
+    def budget(self, fragments: list[FragmentRecord]) -> dict[str, int]:
+        """Bytes each buffer kind may hold at most, for the fragments of this run."""
+        sizes = [f.layout.numel * 4 for f in fragments if f.layout is not None]
+        largest = max(sizes, default=0)
+        momentum = sum(sizes) if self.config.outer_momentum > 0 else 0
+        return {
+            "values": sum(sizes),
+            "momentum": momentum,
+            "sums": min(self.config.max_open_rounds, len(sizes)) * largest,
+            "ring": self.pool.max_idle_bytes,
+        }
+
+    def log_budget(self, fragments: list[FragmentRecord]) -> None:
+        """Log each buffer kind with its size, once every fragment's size is known."""
+        if self._logged or not fragments or any(f.layout is None for f in fragments):
+            return
+        self._logged = True
+        b = self.budget(fragments)
+        log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d), "
+                 "ring <= %.1f MiB (%d parts); total <= %.1f MiB", b["values"] / 2**20, b["momentum"] / 2**20,
+                 "" if b["momentum"] else " (--outer-momentum 0: none)", b["sums"] / 2**20,
+                 self.config.max_open_rounds, b["ring"] / 2**20, IDLE_PARTS, sum(b.values()) / 2**20)
+
+
+def zeros(numel: int) -> torch.Tensor:
+    """A flat fp32 zero buffer whose pages are mapped only when written (calloc: no resident memory
+    until then, so a snapshot of a fragment without momentum costs nothing)."""
+    return torch.from_numpy(np.zeros(numel, dtype=np.float32))

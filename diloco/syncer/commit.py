@@ -1,0 +1,211 @@
+"""The merge rules of the syncer state machine: fold results, quorum, and the commit (docs/PROTOCOL.md,
+"Quorum", "Commit").
+
+A mixin of :class:`diloco.syncer.state.SyncerState`. Commits start in round order and the
+commits of different fragments run side by side on the data plane (each part of each commit
+is one work item); a fragment's next round opens while another fragment commits, within
+``--max-open-rounds``. Memory: the new value is written where the round's sum was; the
+momentum (only with ``--outer-momentum > 0``) is updated in place, unless a checkpoint in
+flight reads it or the overflow bound (``kernels.step_bound``, from the largest magnitudes of
+sum, value and momentum the data plane reports per part) cannot prove the step finite: then it
+is written beside the old one, checked, and a non-finite result changes nothing. No I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from diloco.syncer.dataplane import CommitPart, FoldPart, Result
+from diloco.syncer.fields import StateFields
+from diloco.syncer.kernels import FLT_MAX, step_bound
+from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundRecord
+from diloco.wire import Error, bcast_dtype
+
+if TYPE_CHECKING:
+    from diloco.syncer.state import Out
+
+log = logging.getLogger("diloco.syncer.state")
+
+
+class Merge(StateFields):
+    """Fold results, quorum, commits (methods of ``SyncerState``)."""
+
+    def _merge_timed(self, r: RoundRecord, frag: FragmentRecord, now: float) -> None:
+        """Commit time and merge throughput of the fragment (the status line's ``merge=``)."""
+        assert frag.layout is not None
+        seconds = max(now - r.commit_started, 1e-9)
+        frag.commit_s = seconds
+        self.merge_stats = (frag.layout.numel * 4 / seconds / 1e9, seconds)
+
+    def _on_folded(self, work: FoldPart, result: Result, now: float, out: list[Out]) -> None:
+        r = self.rounds.get(work.sum.round)
+        if r is None or r.sum is not work.sum:
+            return  # the attempt was dropped meanwhile
+        if result.error:
+            self.refusals += 1
+            log.warning("round %d attempt %d: part %d from island %d refused (%s): it is folded into nothing, "
+                        "but earlier parts were; dropping the attempt", r.round, r.attempt, work.part, work.island,
+                        result.error)
+            isl = self.islands[work.island]
+            out.append(Outgoing(isl.peer, Error(code="bad_push", reason=result.error)))
+            self._count_refusal(isl, f"bad_push: {result.error}", now, out)
+            self._restart_attempt(r, now, out, f"a part of island {work.island} was refused")
+            return
+        push = r.pushes[work.island]
+        push.folded += 1
+        if push.complete:
+            self.islands[work.island].refusals_in_row = 0
+            self._maybe_start_grace(r, now)
+
+
+    def _maybe_start_grace(self, r: RoundRecord, now: float) -> None:
+        done = sum(p.complete for p in r.pushes.values())
+        if done >= self.config.effective_quorum and r.grace_deadline is None:
+            r.grace_deadline = now + self.config.grace_ms / 1000.0
+
+
+    def _check_quorum(self, r: RoundRecord, now: float, out: list[Out]) -> None:
+        """Close, wait, or drop the attempt (docs/PROTOCOL.md, "Quorum").
+
+        A push that has started streaming is already in the running sum and cannot be
+        taken out again: while it keeps sending parts the round waits for it; if it
+        stalls (no part for ``--dead-after-s``), the whole attempt is dropped."""
+        if r.closed:
+            return
+        k = self.config.effective_quorum
+        complete = sum(p.complete for p in r.pushes.values())
+        partial = [p for p in r.pushes.values() if not p.complete]
+        stalled = [p for p in partial if now - p.last_part_at > self.config.dead_after_s]
+        if stalled:
+            self._restart_attempt(r, now, out, f"the push of island {stalled[0].island} stalled mid-stream")
+        elif r.members and complete == len(r.members):
+            r.closed = True
+        elif complete >= k and r.grace_deadline is not None and now >= r.grace_deadline and not partial:
+            r.closed = True
+        elif complete < k and not partial and now - r.attempt_started >= self.config.quorum_timeout_s:
+            self._restart_attempt(r, now, out, f"{complete}/{len(r.members)} pushes after "
+                                               f"{now - r.attempt_started:.1f}s, quorum {k}", resend=True)
+
+    def _start_commits(self, now: float, out: list[Out]) -> None:
+        """Start every commit that may start: commits *start* in round order (a closed round waits
+        for every earlier round to have started its commit), but run side by side when they are of
+        different fragments; a fragment's own commits never overlap (one open round per fragment)."""
+        for t in sorted(self.rounds):
+            r = self.rounds[t]
+            if r.committing:
+                continue
+            if not r.closed or self.fragments[r.fragment].committing:
+                return
+            self._start_commit(r, now, out)
+
+    def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
+        """Merge a closed round on the data plane, one CommitPart per part."""
+        frag = self.fragments[r.fragment]
+        total = sum(p.weight for p in r.pushes.values())
+        if total == 0 or r.sum is None:
+            self._finish_commit(r, now, out, changed=False)
+            return
+        assert frag.layout is not None and frag.value is not None
+        hyper = self.flush_hyper if r.flush else self.hyper
+        E = self.config.part_elems
+        n = frag.layout.n_parts(E)
+        r.new_momentum = None
+        if hyper.momentum > 0:
+            self.book.ensure_momentum(frag)
+            # In place, unless a checkpoint in flight reads the momentum, or no bound proves the
+            # step finite: then beside the old one, so a non-finite result changes nothing.
+            bound = max((step_bound(r.sum.absmax[k], float(total), frag.value_absmax[k], frag.momentum_absmax[k],
+                                    hyper.lr, hyper.momentum) for k in range(n)), default=0.0)
+            if r.fragment in self.pinned or not bound < FLT_MAX:
+                r.new_momentum = self.book.fresh(frag.layout.numel, "momentum beside a pinned one")
+        r.commit_failed = None
+        dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
+        r.commit_parts_left = n
+        r.committing = True
+        r.commit_started = now
+        r.commit_absmax = [(0.0, 0.0)] * n
+        frag.committing = True
+        for k in range(n):
+            lo, hi = frag.layout.part_range(k, E)
+            self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
+                                        r.sum, total, hyper, frag.layout, E, dtypes, frag.version + 1,
+                                        self.digest_seed))
+
+    def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
+        r = self.rounds.get(work.round)
+        if r is None or r.sum is not work.sum:
+            return
+        if result.error:
+            log.error("commit of round %d part %d refused: %s", work.round, work.part, result.error)
+            r.commit_failed = r.commit_failed or result.error
+        else:
+            r.commit_absmax[work.part] = result.absmax
+        r.commit_parts_left -= 1
+        if r.commit_parts_left == 0 and r.commit_failed:
+            self._drop_commit(r, now, out)
+        elif r.commit_parts_left == 0:
+            self._finish_commit(r, now, out, changed=True)
+
+    def _finish_commit(self, r: RoundRecord, now: float, out: list[Out], changed: bool) -> None:
+        frag = self.fragments[r.fragment]
+        pushes = [r.pushes[i] for i in sorted(r.pushes)]
+        if changed:
+            assert r.sum is not None
+            frag.value = r.sum.flat  # the new value was written where the sum was
+            if r.new_momentum is not None:
+                frag.momentum = r.new_momentum
+                self.pinned.discard(r.fragment)
+            frag.value_absmax = [v for v, _m in r.commit_absmax]
+            if frag.momentum is not None and (self.flush_hyper if r.flush else self.hyper).momentum > 0:
+                frag.momentum_absmax = [m for _v, m in r.commit_absmax]
+            self._merge_timed(r, frag, now)
+            frag.version += 1
+            frag.round = r.round
+            if r.flush:
+                self.changed_flush += 1
+            else:
+                self.changed_training += 1
+            if self.config.checkpoint_every > 0 and (self.commits + 1) % self.config.checkpoint_every == 0:
+                self.checkpoint_due = True
+        frag.committing = False
+        for p in pushes:
+            led = self.islands[p.island].ledger
+            led.merges += 1 if p.weight > 0 else 0
+            led.steps += p.local_steps
+            led.tokens += p.tokens
+        r.new_momentum = None
+        del self.rounds[r.round]
+        # Commits start in round order but may finish out of it: the first uncommitted round.
+        self.next_commit = min(self.rounds, default=self.next_open)
+        self.commits += 1
+        if self.flush_left is not None and r.flush:
+            self.flush_left.discard(r.fragment)
+        order = r.sum.fold_order if r.sum is not None else []
+        self.events.append(
+            {
+                "time": now,
+                "round": r.round,
+                "fragment": r.fragment,
+                "version": frag.version,
+                "attempt": r.attempt,
+                "members": sorted(r.members),
+                "pushed": [p.island for p in pushes],
+                "weights": {str(p.island): p.weight for p in pushes},
+                "fold_order": order[0] if order and all(o == order[0] for o in order) else order,
+                "changed": changed,
+                "flush": r.flush,
+                "commit_s": round(now - r.commit_started, 6),
+            }
+        )
+        log.info(
+            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)",
+            r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
+            ", flush" if r.flush else "",
+        )
+        if not changed:
+            return
+        # Islands still waiting for their cut get this version with the cut instead.
+        for isl in self.live():
+            if isl.cut_sent:
+                out.append(self._bcast(isl, frag, r.round, cut=False))
