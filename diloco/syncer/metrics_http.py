@@ -54,6 +54,10 @@ def _collector(metrics: SyncerMetrics) -> Any:
             def gauge(name: str, doc: str, value: float) -> Any:
                 return GaugeMetricFamily(p + name, doc, value=value)
 
+            phase = GaugeMetricFamily(p + "phase", "1 for the syncer's current phase", labels=["phase"])
+            for name in ("running", "final", "done"):
+                phase.add_metric([name], 1.0 if s.phase == name else 0.0)
+            yield phase
             yield counter("rounds_committed", "Rounds committed (commit events in the event log)", s.rounds_committed)
             yield counter("rounds_changed", "Committed rounds that changed the model (a new version)", s.rounds_changed)
             yield counter("rounds_failed", "Commits dropped (result not finite), re-pulled", s.rounds_failed)
