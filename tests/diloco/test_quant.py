@@ -1,4 +1,4 @@
-"""Low-bit codec (diloco.quant) against an independent numpy reference, bit for bit.
+"""Low-bit codec (the diloco.quant package) against an independent numpy reference, bit for bit.
 
 The reference below is written from the format in docs/PROTOCOL.md ("Low-bit
 pushes"), not from the implementation: it pads the short last block, rounds
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run a test with the default cache chunk and with a tiny one (many chunks per range)."""
     if request.param == "small_chunks":
-        monkeypatch.setattr(quant, "_CPU_CHUNK", 256)
+        monkeypatch.setattr(quant.kernels, "_CPU_CHUNK", 256)
 
 QMAX = {"int8": 127, "q4": 7}
 
