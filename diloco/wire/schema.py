@@ -4,7 +4,7 @@ The headers are frozen, tagged msgspec Structs (``kind`` = the UPPERCASE kind
 name) decoded strictly from msgpack: unknown kinds, unknown fields and wrong
 field types are refused by the decoder itself, never coerced, and nothing is
 ever unpickled.  The meaning of each kind and the round rules live in
-``docs/PROTOCOL.md``; :mod:`diloco.wire.codec` turns headers plus tensors into
+``docs/PROTOCOL.md``; :mod:`diloco.wire.encoding` and :mod:`diloco.wire.decoding` turn headers plus tensors into
 zmq frames and back.
 """
 

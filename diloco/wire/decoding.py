@@ -1,37 +1,19 @@
-"""Wire codec: headers plus tensors to zmq frames and back, validated.
+"""Decoding: zmq frames into a typed header and tensors, every declared size checked first.
 
-Every message is one zmq multipart message::
-
-    frame 0   MAC     HMAC-SHA256(key, header bytes), 32 bytes
-    frame 1   header  msgpack of an ``Envelope`` (protocol, typed header, chunk size, tensor metas)
-    frame 2.. chunks  raw little-endian tensor bytes, tensors in header order, each cut into
-                      chunks of ``chunk_bytes`` (the last one of a tensor may be shorter)
-
-Why this shape: the header is small and typed, so a receiver can authenticate
-it, decode it and check every declared size against :class:`Limits` *before*
-it allocates a single tensor byte.  The header lists one xxh3-64 digest per
-chunk, so the MAC over the header also authenticates every payload byte
-without running HMAC over gigabytes.  Tensor bytes travel as separate frames
-that are zero-copy views of the sender's tensors, and the receiver copies each
-chunk exactly once, into a tensor from the receive pool (see
-:mod:`diloco.wire.hostpool`).
-
-This module knows nothing of torch.distributed, Megatron or the round rules.
-Any malformed, oversized, unauthenticated or wrong-version message makes
-:func:`decode` raise :class:`WireError` with a one-line reason; the caller logs
-it and keeps serving.
+:func:`open_message` authenticates and checks a message in time proportional to its header (no
+payload byte read, nothing allocated); :class:`Opened` then verifies digests and copies chunks,
+once, into tensors from the receive pool; :func:`decode` is both. Any malformed, oversized,
+unauthenticated or wrong-version message raises :class:`~diloco.wire.schema.WireError` with a
+one-line reason; the caller logs it and keeps serving. The frame layout is described in
+:mod:`diloco.wire`.
 """
 
 from __future__ import annotations
 
-import functools
 import hmac
 import math
-import os
-import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple, Sequence, TypeVar
+from typing import NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -39,180 +21,17 @@ import torch
 import xxhash
 import zmq
 
+from diloco.wire.chunks import check_and_copy, digest_seed, map_chunks
 from diloco.wire.hostpool import HostBufferPool, default_receive_pool
-from diloco.wire.schema import (
-    DEFAULT_CHUNK_BYTES,
-    DTYPE_NAMES,
-    ENVELOPE_DECODER,
-    ENVELOPE_ENCODER,
-    HEADER_TYPES,
-    ITEMSIZE,
-    MAC_BYTES,
-    PROBE_DECODER,
-    PROTOCOL_VERSION,
-    PUSH_DTYPES,
-    WIRE_DTYPES,
-    Envelope,
-    Header,
-    Hello,
-    Limits,
-    TensorMeta,
-    Welcome,
-    WireError,
-    kind_of,
-)
+from diloco.wire.schema import (ENVELOPE_DECODER, ITEMSIZE, MAC_BYTES, PROBE_DECODER, PROTOCOL_VERSION, PUSH_DTYPES,
+                                WIRE_DTYPES, Envelope, Header, Hello, Limits, TensorMeta, Welcome, WireError, kind_of)
+
 
 class Message(NamedTuple):
     """A decoded message: the typed header and its tensors (CPU, float32/bfloat16, header order)."""
 
     header: Header
     tensors: list[tuple[str, torch.Tensor]]
-
-
-def _wire_bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a contiguous CPU tensor, sharing its memory.
-
-    The memoryview's exporter (a numpy array) holds a reference to the tensor,
-    so the frames keep the tensor alive until zmq is done sending them.
-    """
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
-
-
-class Payload(NamedTuple):
-    """Tensor metas and chunk frames of a message, without header or MAC.
-
-    Building a payload is the work that grows with bytes (dtype conversion, one
-    xxh3 pass); :func:`seal` then adds a header and its MAC in time independent of
-    the payload size.  So a sender can encode on a worker thread and seal on a
-    latency-sensitive one, and reuse one payload under many headers (the same
-    broadcast part to every island)."""
-
-    metas: tuple[TensorMeta, ...]
-    frames: tuple[memoryview, ...]
-    chunk_bytes: int
-    nbytes: int
-
-
-EMPTY_PAYLOAD = Payload((), (), DEFAULT_CHUNK_BYTES, 0)
-
-
-def encode_payload(
-    tensors: Sequence[tuple[str, torch.Tensor]] = (),
-    *,
-    wire_dtype: str | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    parallel: bool = True,
-    seed: int = 0,
-) -> Payload:
-    """Chunk and digest ``tensors`` (see :func:`encode` for the arguments and their rules).
-
-    ``parallel=False`` digests on the calling thread (a caller that is itself one of
-    several workers does not want the shared chunk threads on top)."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"encode: chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    target: torch.dtype | None = None
-    if wire_dtype is not None:
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"encode: wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
-        target = WIRE_DTYPES[wire_dtype]
-
-    metas: list[TensorMeta] = []
-    chunk_frames: list[memoryview] = []
-    seen: set[str] = set()
-    nbytes = 0
-    for name, tensor in tensors:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"encode: tensor names must be non-empty str, got {name!r}")
-        if name in seen:
-            raise ValueError(f"encode: duplicate tensor name {name!r}")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"encode: tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        t = tensor.detach()
-        # Convert before moving to CPU: on an accelerator the cast is cheap and
-        # halves the device-to-host bytes for bf16.  Both calls return ``t``
-        # itself when nothing changes, which keeps the fp32 hot path copy-free.
-        if target is not None:
-            t = t.to(target)
-        elif t.dtype not in DTYPE_NAMES:
-            raise ValueError(f"encode: tensor {name!r} has dtype {t.dtype}; pass wire_dtype or use float32/bfloat16")
-        t = t.cpu().contiguous()
-        data = _wire_bytes(t)
-        nbytes += data.nbytes
-        chunks = [data[offset : offset + chunk_bytes] for offset in range(0, data.nbytes, chunk_bytes)]
-        chunk_frames.extend(chunks)
-        metas.append(TensorMeta(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape), chunks=(len(chunks),)))
-
-    # Digest every chunk of the message at once, in parallel when it is large
-    # (xxhash releases the GIL); then put each tensor's digests into its meta.
-    all_digests = _map_chunks(functools.partial(xxhash.xxh3_64_intdigest, seed=seed), chunk_frames, parallel)
-    start = 0
-    for i, meta in enumerate(metas):
-        count = meta.chunks[0]
-        metas[i] = TensorMeta(meta.name, meta.dtype, meta.shape, tuple(all_digests[start : start + count]))
-        start += count
-    return Payload(tuple(metas), tuple(chunk_frames), chunk_bytes, nbytes)
-
-
-def seal(
-    header: Header, payload: Payload = EMPTY_PAYLOAD, *, key: bytes = b"", nonce: int = 0, seq: int = 0
-) -> list[bytes | memoryview]:
-    """Frames of ``header`` plus an encoded payload: the envelope and its MAC (cheap).
-
-    ``nonce``/``seq``: the connection's session nonce and this message's sequence number
-    (see :class:`Envelope`); seal at send time, so sequence numbers follow the send order."""
-    if not isinstance(header, HEADER_TYPES):
-        raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
-    body = ENVELOPE_ENCODER.encode(
-        Envelope(protocol=PROTOCOL_VERSION, header=header, chunk_bytes=payload.chunk_bytes, tensors=payload.metas,
-                 nonce=nonce, seq=seq)
-    )
-    mac = hmac.digest(key, body, "sha256")
-    return [mac, body, *payload.frames]
-
-
-def encode(
-    header: Header,
-    tensors: Sequence[tuple[str, torch.Tensor]] = (),
-    *,
-    key: bytes = b"",
-    wire_dtype: str | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    nonce: int = 0,
-    seq: int = 0,
-) -> list[bytes | memoryview]:
-    """Frames ready for ``socket.send_multipart(frames, copy=False)``.
-
-    Args:
-        header: one of the header Structs.
-        tensors: ``(name, tensor)`` pairs in the order the receiver expects
-            (a fragment's plan order). Names must be unique.
-        key: shared HMAC key (``b""`` when the deployment sets none).
-        wire_dtype: ``"float32"`` or ``"bfloat16"`` to convert every tensor
-            (torch's round-to-nearest-even for fp32 -> bf16); ``None`` means
-            every tensor must already be float32 or bfloat16.
-        chunk_bytes: maximum payload bytes per chunk frame (default 4 MiB);
-            the receiver refuses chunks above its ``Limits.max_chunk_bytes``.
-
-    A contiguous CPU tensor already in the wire dtype is not copied: its chunks
-    are memoryviews of its storage, and the returned list keeps it alive, so do
-    not modify such tensors until the send has completed.  Other tensors are
-    converted/moved/made contiguous once.  Equal to
-    ``seal(header, encode_payload(tensors, ...), key=key)``.
-
-    Raises:
-        TypeError / ValueError: for local misuse (not a header, unknown dtype,
-        duplicate names, bad chunk size); never ``WireError``.
-    """
-    if not isinstance(header, HEADER_TYPES):
-        raise TypeError(f"encode: header must be one of the header Structs, got {type(header).__name__}")
-    return seal(header, encode_payload(tensors, wire_dtype=wire_dtype, chunk_bytes=chunk_bytes,
-                                       seed=digest_seed(key)), key=key,
-                nonce=nonce, seq=seq)
-
-
-# --------------------------------------------------------------------------- decode
 
 
 def _as_bytes_view(frame: object, index: int) -> memoryview:
@@ -353,7 +172,7 @@ class Opened:
         """Check every chunk's digest (on the chunk threads); raise :class:`WireError` on the first bad one."""
         jobs = self._jobs()
         seed = self.seed
-        verdicts = _map_chunks(lambda job: xxhash.xxh3_64_intdigest(job[3], seed=seed) == job[4], jobs, parallel)
+        verdicts = map_chunks(lambda job: xxhash.xxh3_64_intdigest(job[3], seed=seed) == job[4], jobs, parallel)
         for ok, (i, c, _o, _ch, _d) in zip(verdicts, jobs):
             if not ok:
                 raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
@@ -390,7 +209,7 @@ class Opened:
                 for i, _c, offset, chunk, digest in self._jobs()]
         # Every job runs to completion before we report the first bad chunk, so no
         # worker is still writing into a tensor the caller might see.
-        verdicts = _map_chunks(_check_and_copy, jobs, parallel)
+        verdicts = map_chunks(check_and_copy, jobs, parallel)
         for ok, (i, c, _o, _ch, _d) in zip(verdicts, self._jobs()):
             if not ok:
                 raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
@@ -474,65 +293,6 @@ def decode(
     """
     opened = open_message(frames, key=key, limits=limits)
     return Message(header=opened.header, tensors=opened.tensors(pool))
-
-
-def digest_seed(key: bytes) -> int:
-    """The xxh3 seed of chunk digests: secret, derived from the shared key (0 without one).
-
-    The header MAC covers the digests; seeding them with a key-derived secret means an
-    on-path attacker cannot compute the digest of a chunk it altered, so in HMAC mode
-    (no transport encryption) a tampered payload is caught too.  xxh3 is not a proven MAC:
-    links you do not own should run Curve mode, whose AEAD authenticates every frame."""
-    if not key:
-        return 0
-    return int.from_bytes(hmac.digest(key, b"yeto-diloco chunk digest seed v1", "sha256")[:8], "little")
-
-
-def _check_and_copy(job: tuple[memoryview, int, np.ndarray, int]) -> bool:
-    """Digest one received chunk and, if it matches, copy it into its tensor (the one copy).
-
-    Hash first, then copy: the chunk is still in cache for the copy, and a
-    forged chunk is never written anywhere.  Both calls release the GIL.
-    """
-    chunk, digest, dest, seed = job
-    if xxhash.xxh3_64_intdigest(chunk, seed=seed) != digest:
-        return False
-    np.copyto(dest, np.frombuffer(chunk, dtype=np.uint8))
-    return True
-
-
-# --------------------------------------------------------------------------- chunk workers
-
-CHUNK_THREADS: int = max(1, min(4, os.cpu_count() or 1))
-"""Threads that digest (and on receive, copy) the chunks of one large message.
-
-xxhash and numpy's copy release the GIL, so a 256 MiB fragment is hashed and
-copied ~3x faster with 4 threads on a host with spare cores; 1 disables it."""
-
-_PARALLEL_MIN_CHUNKS = 4  # below this, handing work to threads costs more than it saves
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
-
-
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
-
-
-def _map_chunks(fn: Callable[[_In], _Out], items: list[_In], parallel: bool = True) -> list[_Out]:
-    """``[fn(x) for x in items]``, on the chunk threads when the message is large.
-
-    The executor is shared by every socket thread of the process; ``map``
-    waits for all items, so callers see complete results (or the first
-    exception, after the others finished).
-    """
-    global _executor
-    if not parallel or CHUNK_THREADS <= 1 or len(items) < _PARALLEL_MIN_CHUNKS:
-        return [fn(x) for x in items]
-    if _executor is None:
-        with _executor_lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(max_workers=CHUNK_THREADS, thread_name_prefix="wire-chunks")
-    return list(_executor.map(fn, items))
 
 
 def payload_bytes(msg: Message) -> int:
