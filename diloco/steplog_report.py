@@ -305,18 +305,62 @@ def summaries_to_json(summaries: Sequence[IslandSummary]) -> str:
 # --- plot -------------------------------------------------------------------
 
 
-def plot_logs(logs: Sequence[tuple[str, Sequence[StepRecord]]], out_png: str) -> None:
-    """Write a PNG with one panel per ``(path, records)`` log: boundary ms per
-    step stacked by phase, loss on a second axis, a dotted vertical line at
-    each step that applied a round."""
+@dataclass(frozen=True)
+class Comparison:
+    """The first panel of a picture: every run's training loss on one chart (the demo's question,
+    "did DiLoCo pay off?"), the rounds marked, the held-out verdict as the title."""
+
+    losses: dict[str, list[tuple[int, float]]]
+    """Run name -> (step, training loss); names starting with ``island`` are drawn solid, the
+    baselines (``alone``, ``dp-bound``) dashed."""
+    rounds: list[int]
+    """Steps at which a round was applied (dotted vertical lines)."""
+    title: str
+    """The verdict line."""
+
+
+def _plot_comparison(ax: Any, c: Comparison) -> None:
+    import textwrap
+
+    styles = {"alone": ("black", "--"), "dp-bound": ("tab:gray", "--")}
+    for k, (name, points) in enumerate(sorted(c.losses.items(), key=lambda kv: (not kv[0].startswith("island"),
+                                                                                kv[0]))):
+        points = [(s, v) for s, v in points if math.isfinite(v)]
+        if not points:
+            continue
+        steps = np.array([s for s, _ in points], dtype=np.float64)
+        values = np.array([v for _, v in points], dtype=np.float64)
+        color, style = styles.get(name, (f"C{k}", "-"))
+        ax.plot(steps, values, color=color, linestyle=style, linewidth=0.6, alpha=0.3)
+        w = max(1, min(10, len(values) // 10))  # a moving mean, so the runs can be told apart
+        smooth = np.convolve(values, np.ones(w) / w, mode="valid")
+        ax.plot(steps[w - 1:], smooth, color=color, linestyle=style, linewidth=1.6, label=name)
+    if c.rounds:
+        ax.vlines(sorted(set(c.rounds)), 0, 1, transform=ax.get_xaxis_transform(), colors="tab:purple",
+                  linestyles=":", linewidth=0.6, label="round applied")
+    ax.set_title(textwrap.fill(c.title, 110), fontsize="small")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def plot_logs(logs: Sequence[tuple[str, Sequence[StepRecord]]], out_png: str,
+              comparison: Comparison | None = None) -> None:
+    """Write a PNG with, first, the ``comparison`` panel when given, then one panel per
+    ``(path, records)`` log: boundary ms per step stacked by phase, loss on a second axis, a
+    dotted vertical line at each step that applied a round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(logs), 1, figsize=(10, 3.2 * len(logs)), squeeze=False, sharex=False)
+    extra = 1 if comparison is not None else 0
+    fig, axes = plt.subplots(len(logs) + extra, 1, figsize=(10, 3.2 * (len(logs) + extra)), squeeze=False,
+                             sharex=False)
+    if comparison is not None:
+        _plot_comparison(axes[0, 0], comparison)
     colors = {"export": "tab:blue", "apply": "tab:green", "wait": "tab:orange", "other": "tab:gray"}
-    for ax, (path, records) in zip(axes[:, 0], logs):
+    for ax, (path, records) in zip(axes[extra:, 0], logs):
         island = records[-1].island if records else "?"
         ax.set_title(f"island {island}: {os.path.basename(path)}")
         ax.set_xlabel("step")

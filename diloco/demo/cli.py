@@ -8,13 +8,17 @@ baseline. It shows live progress, then prints a summary — loss per run, the he
 the final merged model vs alone (the verdict), rounds committed, bytes moved, share of step
 time spent in sync — runs the step-log report, saves its plots, and writes the summary as
 JSON (``--summary``, default ``<out>/summary.json``), including a digest of each island's
-global parameters after the final cut: they must be equal. The machinery lives in
+global parameters after the final cut: they must be equal. The picture (``<out>/steplog.png``)
+opens with every run's loss on one chart, rounds marked, the verdict as its title; TensorBoard
+event files of every run are in ``<out>/tb`` (``tensorboard --logdir <out>/tb``), and
+``--metrics-port`` lets Prometheus scrape the syncer while it runs. The machinery lives in
 :mod:`diloco.demo.runner` (shared with ``benchmarks/bench_quality.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -24,8 +28,8 @@ from types import FrameType
 from diloco.config import WIRE_DTYPE_NAMES
 from diloco.demo import runner
 from diloco.demo.runner import DemoConfigError, DemoSettings
-from diloco.steplog import read_steplog
-from diloco.steplog_report import format_table, plot_logs, summarize
+from diloco.steplog import StepRecord, read_steplog
+from diloco.steplog_report import Comparison, format_table, plot_logs, summarize
 
 log = logging.getLogger("yeto-demo")
 EXIT_CONFIG = 2
@@ -73,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu (default) or cuda: every rank on a visible GPU (rank %% GPUs)")
     p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,
                    help="> 0: islands install the gloo bridge with this many ranks per node (1 bridges every group)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help="> 0: the syncer serves Prometheus metrics and /healthz on 127.0.0.1:PORT (needs the "
+                        "metrics extra)")
     return p
 
 
@@ -83,7 +90,23 @@ def settings_from_args(argv: list[str] | None = None) -> DemoSettings:
         fragments=a.fragments, sync_every=a.sync_every, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
         out=a.out, overwrite=a.overwrite, summary=a.summary, baseline=not a.no_baseline, dp_bound=a.dp_bound,
         hidden=a.hidden, layers=a.layers, micro_batch=a.micro_batch, lr=a.lr, wire_dtype=a.wire_dtype,
-        timeout_s=a.timeout_s, device=a.device, ranks_per_node=a.ranks_per_node, sync_rounds=a.sync_rounds)
+        timeout_s=a.timeout_s, device=a.device, ranks_per_node=a.ranks_per_node, sync_rounds=a.sync_rounds,
+        metrics_port=a.metrics_port)
+
+
+def comparison(out: str, settings: DemoSettings, records: list[tuple[str, list[StepRecord]]],
+               verdict: str) -> Comparison:
+    """The picture's first panel: every run's loss (its progress file), island 0's applied rounds."""
+    losses: dict[str, list[tuple[int, float]]] = {}
+    for name in runner.run_names(settings):
+        try:
+            with open(os.path.join(out, f"{name}.progress.jsonl")) as fh:
+                rows = [json.loads(line) for line in fh if line.strip()]
+            losses[name] = [(int(r["step"]), float(r["loss"])) for r in rows]
+        except (OSError, ValueError, KeyError):
+            continue
+    rounds = [r.step for r in records[0][1] if any(e["type"] == "apply" for e in r.events)] if records else []
+    return Comparison(losses=losses, rounds=rounds, title=verdict)
 
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:
@@ -110,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table([summarize(p) for p in logs]))
         png = os.path.join(out, "steplog.png")
         try:
-            plot_logs([(os.path.basename(p), read_steplog(p)) for p in logs], png)
+            records = [(os.path.basename(p), read_steplog(p)) for p in logs]
+            plot_logs(records, png, comparison(out, settings, records, summary["verdict"]))
             print(f"step-log plots: {png}")
         except ImportError:
             print("step-log plots skipped: matplotlib is not installed")
+    if os.path.isdir(os.path.join(out, "tb")):
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(out, 'tb')}")
     print(f"summary JSON: {summary['summary_path']}")
     return 0 if summary["ok"] and summary["digests_equal"] else 1
 

@@ -8,7 +8,9 @@ plugin drives it); without, it is the "alone" baseline: the same model and data 
 with no sync. At the end, rank 0 writes ``DIR/<name>.json``: train and held-out loss, the
 final versions, and a digest of the global fp32 parameters (equal across islands after the
 final cut). Progress goes to ``DIR/<name>.progress.jsonl`` (one line per step) so the demo
-driver can show it live.
+driver can show it live, and, when tensorboard is installed, rank 0 writes TensorBoard event
+files to ``DIR/tb/<name>``: ``loss`` every step, ``eval_loss`` at the end and, on an island, the
+sync scalars (``diloco/…``, handed to the island as its ``writer``) every ``--log-interval`` steps.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class IslandRun:
     """'cpu', or 'cuda' (every rank on the current visible GPU: a 1-GPU machine can host an island)."""
     ranks_per_node: int = 0
     """> 0: install the gloo bridge with this many ranks per node (1 bridges every group)."""
+    log_interval: int = 10
+    """Steps between two writes of the sync scalars to TensorBoard."""
 
 
 def parse_layout(layout: str) -> tuple[int, int, int]:
@@ -190,6 +194,18 @@ def _train_batch(data: CharData, run: IslandRun, step: int, dp_rank: int) -> dic
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def _tensorboard(run: IslandRun, rank: int) -> Any:
+    """Rank 0's SummaryWriter in ``DIR/tb/<name>`` (None elsewhere, or without tensorboard)."""
+    if rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed: no event files (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=os.path.join(run.out_dir, "tb", run.name))
+
+
 def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     run = IslandRun(**run_dict)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {run.name} r{rank} %(levelname)s %(message)s")
@@ -211,6 +227,7 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     from megatron.core import parallel_state as ps
 
     dp_rank = ps.get_data_parallel_rank()
+    tb = _tensorboard(run, rank)
     island = None
     if run.sync_addr:
         from diloco.config import IslandConfig
@@ -222,7 +239,7 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
                "YETO_DILOCO_FRAGMENTS": str(run.fragments),
                "YETO_DILOCO_INITIAL_CUT_TIMEOUT": str(run.initial_cut_timeout_s),
                "YETO_DILOCO_STEP_LOG": os.path.join(run.out_dir, f"{run.name}.steplog.jsonl")}
-        cfg = IslandConfig.from_env(env)
+        cfg = IslandConfig.from_env(env, writer=tb, log_interval=run.log_interval)
         tokens = run.micro_batch * run.seq * ps.get_data_parallel_world_size()
         island = Island(cfg, built.layout(), tokens_per_step=tokens)
         island.start()
@@ -240,9 +257,14 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
             island.step_end(step, loss)
         if progress is not None:
             progress.write(json.dumps({"step": step, "loss": loss, "time": time.time() - t0}) + "\n")
+        if tb is not None:
+            tb.add_scalar("loss", loss, step)
             progress.flush()
     versions = island.finish() if island is not None else []
     eval_loss = _eval_loss(built, data, run)
+    if tb is not None:
+        tb.add_scalar("eval_loss", eval_loss, run.steps)
+        tb.close()
     digests = fragment_digests(island) if island is not None else None
     digest = combined_digest(digests) if digests is not None else None
     if rank != 0:

@@ -58,7 +58,7 @@ DEFAULT_SYNC_ROUNDS = True
 
 ALONE, DP_BOUND = "alone", "dp-bound"
 _OUTPUT_SUFFIXES = (".log", ".jsonl", ".json", ".png", ".ready")
-"""What a demo run writes into --out (plus sync.key and ckpt/): what --overwrite removes."""
+"""What a demo run writes into --out (plus sync.key, ckpt/ and tb/): what --overwrite removes."""
 
 
 class DemoConfigError(ValueError):
@@ -114,6 +114,8 @@ class DemoSettings:
     round's step until its commit is installed)."""
     flush_merge: str = "mean"
     """The syncer's ``--flush-merge`` (benchmarks compare it; the demo does not expose it)."""
+    metrics_port: int = 0
+    """``--metrics-port``: > 0 passes through to the syncer (Prometheus metrics and /healthz on 127.0.0.1)."""
 
     def layout_of(self, island: int) -> str:
         return self.layouts[island % len(self.layouts)]
@@ -148,6 +150,8 @@ class DemoSettings:
         need(self.timeout_s > 0, "--timeout-s", f"must be > 0, got {self.timeout_s}")
         need(self.device in ("cpu", "cuda"), "--device", f"must be cpu or cuda, got {self.device!r}")
         need(self.ranks_per_node >= 0, "--ranks-per-node", f"must be >= 0, got {self.ranks_per_node}")
+        need(0 <= self.metrics_port <= 65535, "--metrics-port", f"must be 0 (off) or a TCP port, got "
+             f"{self.metrics_port}")
         need(len(self.layouts) > 0, "--layouts", "needs at least one layout")
         for lay in self.layouts:
             try:
@@ -165,7 +169,7 @@ def prepare_out(settings: DemoSettings) -> str:
                                   "its files, or choose another --out")
         for old in os.listdir(out):
             path = os.path.join(out, old)
-            if old == "ckpt" and os.path.isdir(path):
+            if old in ("ckpt", "tb") and os.path.isdir(path):
                 shutil.rmtree(path)
             elif old == "sync.key" or old.endswith(_OUTPUT_SUFFIXES):
                 os.remove(path)
@@ -247,7 +251,8 @@ def run_demo(settings: DemoSettings, with_islands: bool = True) -> dict[str, Any
                 "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "4", "--key-file", key_file,
                 "--event-log", os.path.join(out, "events.jsonl"), "--quorum-timeout-s", "120",
                 "--final-timeout-s", "300", "--outer-lr", str(s.outer_lr),
-                "--outer-momentum", str(s.outer_momentum), "--flush-merge", s.flush_merge])
+                "--outer-momentum", str(s.outer_momentum), "--flush-merge", s.flush_merge,
+                *(["--metrics-port", str(s.metrics_port)] if s.metrics_port else [])])
             for i, lay in enumerate(layouts):
                 spawn(f"island{i}", [*island, "--name", f"island{i}", "--island-id", str(i), "--layout", lay,
                                      "--sync-addr", addr, "--data-seed", str(i), "--start-together",

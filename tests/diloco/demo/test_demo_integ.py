@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
+from tests.support.tbevents import read_scalars
+
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(600)]
 
 
 def test_demo_small_run_ends_with_equal_digests_and_tells_the_truth(tmp_path: Path) -> None:
     out, summary = tmp_path / "demo", tmp_path / "summary.json"
+    port = free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "diloco.demo.cli", "--islands", "2", "--layouts", "tp2,pp2", "--steps", "30",
          "--sync-every", "10", "--fragments", "2", "--hidden", "32", "--layers", "2", "--out", str(out),
-         "--summary", str(summary), "--timeout-s", "500"],
+         "--summary", str(summary), "--timeout-s", "500", "--metrics-port", str(port)],
         capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(summary.read_text())
@@ -44,6 +48,21 @@ def test_demo_small_run_ends_with_equal_digests_and_tells_the_truth(tmp_path: Pa
     assert f"summary JSON: {summary}" in proc.stdout
     assert "boundary ms p50" in proc.stdout
     assert (out / "steplog.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard: every run's loss; each island's sync scalars every 10 steps, as its step log says.
+    assert f"TensorBoard: tensorboard --logdir {out / 'tb'}" in proc.stdout
+    for name in ("island0", "island1", "alone"):
+        tb = read_scalars(str(out / "tb" / name))
+        assert [step for step, _ in tb["loss"]] == list(range(1, 31)), name
+        assert tb["eval_loss"] == [(30, pytest.approx(s["islands"][name]["eval_loss"], rel=1e-6))]
+        if name == "alone":
+            assert not any(tag.startswith("diloco/") for tag in tb)
+            continue
+        assert [step for step, _ in tb["diloco/sync_share"]] == [10, 20, 30]
+        assert all(0 <= v < 1 for _, v in tb["diloco/sync_share"])
+        merged = [v for _, v in tb["diloco/rounds_merged"]]
+        assert merged == sorted(merged) and merged[-1] >= 2
+    # --metrics-port reached the syncer.
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in (out / "syncer.log").read_text()
 
 
 def _processes_mentioning(text: str) -> list[int]:
