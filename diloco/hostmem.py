@@ -1,15 +1,22 @@
-"""glibc heap thresholds (``mallopt``), set once per process at start.
+"""glibc heap thresholds (``mallopt``), set once per process at start: one mechanism, two profiles.
 
-glibc moves its mmap and trim thresholds *dynamically*: after a process frees a large
-mapped block, later blocks of that size come from the heap, and freed heap memory is kept.
-For a syncer that receives tens of MiB of parts per second through zmq (whose frames
-libzmq mallocs and frees), that turns transient receive buffers into resident memory that
-is never given back, and the syncer's RSS drifts far above its state.  Pinning the
-thresholds disables the dynamic moves: blocks above ``mmap_bytes`` are always mapped and
-unmapped on free, and the heap is trimmed above ``trim_bytes``.
+glibc moves its mmap and trim thresholds *dynamically*: after a process frees a large mapped
+block, later blocks of that size come from the heap, and freed heap memory is kept (or the top of
+the heap is trimmed and mapped again). Pinning the thresholds disables the dynamic moves. The two
+kinds of process want opposite things:
+
+* the **syncer** receives tens of MiB of parts per second through zmq (whose frames libzmq
+  mallocs and frees): blocks above ``SYNCER_MMAP_BYTES`` are always mapped and unmapped on free,
+  and the heap is trimmed above ``SYNCER_TRIM_BYTES``, so transient receive buffers never stay
+  resident (:func:`tune_syncer_malloc`);
+* an **island** runs a training loop whose parameter-sized temporaries (AdamW's
+  ``exp_avg_sq.sqrt()``, ``grad * lr``, ...) must stay on the heap and be reused, never freshly
+  mapped each step: ``ISLAND_MMAP_BYTES`` = 32 MiB (glibc's maximum on 64-bit) and
+  ``ISLAND_TRIM_BYTES`` = 1 GiB (:func:`tune_island_malloc`; ``YETO_DILOCO_TUNE_MALLOC=0``
+  turns it off in the island's config). Measurements: docs/PERFORMANCE.md.
 
 A user who set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` keeps their values.
-Non-glibc systems: nothing happens.
+Non-glibc systems: nothing happens (the functions return False).
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+
+SYNCER_MMAP_BYTES = 1 << 20
+SYNCER_TRIM_BYTES = 64 << 20
+ISLAND_MMAP_BYTES = 32 << 20
+ISLAND_TRIM_BYTES = 1 << 30
+
+_island_done = False
 
 
 def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
@@ -45,3 +59,16 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
     if not ok:
         log.warning("mallopt refused the heap thresholds (%d, %d)", mmap_bytes, trim_bytes)
     return ok
+
+
+def tune_syncer_malloc() -> bool:
+    """The syncer's profile: transient receive buffers are unmapped at once (see the module docstring)."""
+    return set_malloc_thresholds(SYNCER_MMAP_BYTES, SYNCER_TRIM_BYTES)
+
+
+def tune_island_malloc() -> bool:
+    """The island's profile, once per process: step temporaries stay on the heap; True when set."""
+    global _island_done
+    if not _island_done:
+        _island_done = set_malloc_thresholds(ISLAND_MMAP_BYTES, ISLAND_TRIM_BYTES)
+    return _island_done
