@@ -74,7 +74,7 @@ class IslandConfig:
 
     tune_malloc: bool = True
     """``YETO_DILOCO_TUNE_MALLOC``: pin glibc's mmap / trim thresholds at start so training
-    steps do not pay page faults (``diloco/island/hostmem.py``)."""
+    steps do not pay page faults (``diloco/hostmem.py``)."""
 
     wire_dtype: str = "float32"
     """``YETO_WIRE_DTYPE``: ``float32`` or ``bfloat16`` for pushes and broadcasts (bf16 halves

@@ -67,7 +67,7 @@ from diloco.config import IslandConfig
 from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.background import Background
 from diloco.island.datapath import DataPath
-from diloco.island.hostmem import tune_malloc
+from diloco.hostmem import tune_island_malloc
 from diloco.island.lifecycle import StartFinish, _fp32
 from diloco.island.orders import Orders, exchange_orders
 from diloco.island.transfer import FragmentTransfer
@@ -129,7 +129,7 @@ class Island(StartFinish):
                  tokens_per_step: int | None = None, assignment: Assignment | None = None) -> None:
         self.cfg = config
         if config.tune_malloc:
-            tune_malloc()
+            tune_island_malloc()
         self.group = group if group is not None else layout.group
         self.rank = group_rank(self.group)
         self.is_sync = self.rank == config.sync_rank

@@ -17,7 +17,7 @@ import signal
 import sys
 from types import FrameType
 
-from diloco.hostmem import set_malloc_thresholds
+from diloco.hostmem import tune_syncer_malloc
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
 from diloco.syncer.config import ConfigError, SyncerConfig
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                  "not encrypted (docs/SECURITY.md)")
     # Received parts are malloc'd and freed by libzmq at tens of MiB per second: keep such
     # blocks mapped-and-unmapped so transient buffers never stay resident (diloco.hostmem).
-    set_malloc_thresholds(mmap_bytes=1 << 20, trim_bytes=64 << 20)
+    tune_syncer_malloc()
     store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
     snapshot = None
     if args.resume and store is not None:
