@@ -191,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--metrics-port: must be 0 (off) or a TCP port, got {args.metrics_port}")
         if not args.metrics_linger_s >= 0:
             raise ConfigError(f"--metrics-linger-s: must be >= 0, got {args.metrics_linger_s}")
-        key = _read_key(args.key_file)
-        curve = _curve(args, key)
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
         try:
             caps = ConnCaps(max_connections=args.max_connections, max_per_address=args.max_connections_per_address,
                             max_handshaking=args.max_handshaking,
@@ -202,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                             handshake_s=args.handshake_timeout_s)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        key = _read_key(args.key_file)
+        curve = _curve(args, key)
+    except ConfigError as e:
+        log.error("bad configuration: %s", e)
         return EXIT_CONFIG
     if curve is None:
         log.warning("--insecure: messages are UNAUTHENTICATED and UNENCRYPTED; anyone who can reach %s can push "
