@@ -88,15 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics and /healthz on this HTTP port (0: off; needs the metrics extra)")
-    p.add_argument("--metrics-bind", default="127.0.0.1",
-                   help="address of the metrics endpoint (default loopback only; docs/SECURITY.md)")
-    p.add_argument("--metrics-linger-s", type=float, default=0.0,
-                   help="after the run, keep serving the final metrics this long (a signal ends it)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
-    return p
-
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections in all; one more is shut down at once and counted")
     p.add_argument("--max-connections-per-address", type=int, default=64,
@@ -107,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections still in their handshake from one source IP")
     p.add_argument("--handshake-timeout-s", type=float, default=5.0,
                    help="a connection that has not authenticated by then is closed (ZMQ_HANDSHAKE_IVL)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics and /healthz on this HTTP port (0: off; needs the metrics extra)")
+    p.add_argument("--metrics-bind", default="127.0.0.1",
+                   help="address of the metrics endpoint (default loopback only; docs/SECURITY.md)")
+    p.add_argument("--metrics-linger-s", type=float, default=0.0,
+                   help="after the run, keep serving the final metrics this long (a signal ends it)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")
+    return p
+
 
 def _part_elems(part_mib: float) -> int:
     """Elements per part for ``--part-mib`` (4-byte elements); validated by SyncerConfig."""
