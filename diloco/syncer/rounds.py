@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from diloco.protocol.schedule import Schedule
 from diloco.syncer.dataplane import DigestFragment
 from diloco.syncer.fields import StateFields
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
@@ -40,18 +41,18 @@ class RoundClock(StateFields):
         if not ready:
             return
         members = frozenset(i.island for i in ready)
-        p, h = self.n_fragments, self.config.sync_every
+        sched = Schedule(self.config.sync_every, self.n_fragments, self.config.total_steps)
         training = sorted((i.last_step for i in ready if not i.done), reverse=True)
         if training:
             clock = training[min(self.config.effective_quorum, len(training)) - 1]
             while True:
                 t = self.next_open
-                threshold = (t * h + p - 1) // p  # ceil(t * H / P)
-                if self.config.total_steps > 0 and threshold > self.config.total_steps:
+                threshold = sched.opening_step(t)
+                if not sched.in_training(t):
                     break  # the schedule is over: only the flush is left
                 if clock < threshold:
                     return
-                fragment = (t - 1) % p
+                fragment = sched.fragment_of(t)
                 if any(r.fragment == fragment for r in self.rounds.values()):
                     return  # the previous round of this fragment is still uncommitted
                 if len(self.rounds) >= self.config.max_open_rounds:
@@ -62,7 +63,7 @@ class RoundClock(StateFields):
         if not all(self._finished_training(i) for i in ready):
             return
         if self.flush_left is None:
-            self.flush_left = set(range(p))
+            self.flush_left = set(sched.flush_fragments())
             log.info("every island finished training: one flush round per fragment merges their last steps")
         for fragment in sorted(self.flush_left):
             if any(r.fragment == fragment for r in self.rounds.values()):

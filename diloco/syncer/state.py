@@ -32,6 +32,7 @@ from typing import Any
 
 
 from diloco.outer import OuterHyper, push_weight
+from diloco.protocol.schedule import Schedule
 from diloco.syncer.admission import Admission
 from diloco.syncer.book import FragmentBook
 from diloco.syncer.checks import Dropped, Refused
@@ -153,7 +154,7 @@ class SyncerState(Merge, Admission, Recovery, RoundClock):
         """Rounds the clock schedules during training (``ceil(t*H/P) <= total``); 0 if unbounded."""
         if self.config.total_steps <= 0 or not self.fragments:
             return 0
-        return self.config.total_steps * self.n_fragments // self.config.sync_every
+        return Schedule(self.config.sync_every, self.n_fragments, self.config.total_steps).scheduled_rounds
 
     def merged_summary(self) -> dict[str, int]:
         """What the run merged: scheduled rounds, commits, and rounds that changed the model."""
