@@ -7,8 +7,8 @@ is one work item); a fragment's next round opens while another fragment commits,
 ``--max-open-rounds``. Memory: the new value is written where the round's sum was; the
 momentum (only with ``--outer-momentum > 0``) is updated in place, unless a checkpoint in
 flight reads it or the overflow bound (``kernels.step_bound``, from the largest magnitudes of
-sum, value and momentum the data plane reports per part) cannot prove the step finite: then it
-is written beside the old one, checked, and a non-finite result changes nothing. No I/O.
+sum, value and momentum kept per part) cannot prove the step finite: then it is written beside
+the old one, checked, and a non-finite result changes nothing. No I/O.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from diloco.syncer.dataplane import CommitPart, FoldPart, Result
 from diloco.syncer.fields import StateFields
-from diloco.syncer.kernels import FLT_MAX, step_bound
+from diloco.syncer.kernels import FLT_MAX, step_bounds
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundRecord
 from diloco.wire import Error, bcast_dtype
 
@@ -113,12 +113,19 @@ class Merge(StateFields):
         r.new_momentum = None
         if hyper.momentum > 0:
             self.book.ensure_momentum(frag)
-            # In place, unless a checkpoint in flight reads the momentum, or no bound proves the
-            # step finite: then beside the old one, so a non-finite result changes nothing.
-            bound = max((step_bound(r.sum.absmax[k], float(total), frag.value_absmax[k], frag.momentum_absmax[k],
-                                    hyper.lr, hyper.momentum) for k in range(n)), default=0.0)
-            if r.fragment in self.pinned or not bound < FLT_MAX:
-                r.new_momentum = self.book.fresh(frag.layout.numel, "momentum beside a pinned one")
+        # Bounds of the result per part, from the bounds of sum, value and momentum: below FLT_MAX
+        # the step is finite, so it needs no check and the momentum may be updated in place.
+        mu = hyper.momentum
+        m_in = frag.momentum_absmax if mu > 0 else [0.0] * n
+        r.commit_bounds = [step_bounds(r.sum.absmax[k], float(total), frag.value_absmax[k], m_in[k], hyper.lr, mu)
+                           for k in range(n)]
+        proven = all(v < FLT_MAX and m < FLT_MAX for v, m in r.commit_bounds)
+        if mu > 0 and (r.fragment in self.pinned or not proven):
+            # A checkpoint in flight reads the momentum, or nothing proves the step finite: write
+            # it beside the old one, so that a non-finite result changes nothing.
+            assert frag.layout is not None
+            r.new_momentum = self.book.fresh(frag.layout.numel, "momentum beside a pinned one")
+        check = not proven or r.new_momentum is not None
         r.commit_failed = None
         dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
         r.commit_parts_left = n
@@ -130,7 +137,7 @@ class Merge(StateFields):
             lo, hi = frag.layout.part_range(k, E)
             self.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum, r.new_momentum,
                                         r.sum, total, hyper, frag.layout, E, dtypes, frag.version + 1,
-                                        self.digest_seed))
+                                        self.digest_seed, check))
 
     def _on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         r = self.rounds.get(work.round)
@@ -156,9 +163,11 @@ class Merge(StateFields):
             if r.new_momentum is not None:
                 frag.momentum = r.new_momentum
                 self.pinned.discard(r.fragment)
-            frag.value_absmax = [v for v, _m in r.commit_absmax]
+            # Measured maxima where the commit was checked, else the bounds that proved it finite.
+            measured = [(v, m) if v == v else b for (v, m), b in zip(r.commit_absmax, r.commit_bounds)]
+            frag.value_absmax = [v for v, _m in measured]
             if frag.momentum is not None and (self.flush_hyper if r.flush else self.hyper).momentum > 0:
-                frag.momentum_absmax = [m for _v, m in r.commit_absmax]
+                frag.momentum_absmax = [m for _v, m in measured]
             self._merge_timed(r, frag, now)
             frag.version += 1
             frag.round = r.round

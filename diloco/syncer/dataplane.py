@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import xxhash
 
 from diloco import quant
 from diloco.digest import tensor_digest
 from diloco.outer import OuterHyper
-from diloco.syncer.kernels import BLOCK, Scratch, absmax, fold_views, outer_step
+from diloco.syncer.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
 from diloco.wire import Opened, Payload, WireError, encode_payload
 from diloco.wire.parts import FragmentLayout
 
@@ -131,6 +132,9 @@ class CommitPart:
     version: int
     seed: int = 0
     """Chunk-digest seed of the broadcast payloads (``wire.digest_seed`` of the key)."""
+    check: bool = True
+    """Measure the result (finite, largest magnitudes); False when the state proved it finite
+    (``kernels.step_bounds``) and keeps the bounds itself."""
 
 
 @dataclass
@@ -148,8 +152,8 @@ class EncodePart:
 @dataclass
 class DigestFragment:
     """Hash a fragment's final value (``diloco.digest.tensor_digest`` of its tensors), to check
-    the digests islands send with FINAL_ACK. Whole-fragment and sequential (SHA-256), so it runs
-    on one worker: the one of part ``fragment``."""
+    the digests islands send with FINAL_ACK. One sequential xxh3-128 pass over the value in place
+    (memory speed, no copy), so it runs on one worker: the one of part ``fragment``."""
 
     fragment: int
     value: torch.Tensor
@@ -173,30 +177,38 @@ class Result:
     seconds: float = 0.0
     digest: str | None = None
     absmax: tuple[float, float] = (math.inf, math.inf)
-    """``max |value|`` and ``max |momentum|`` over the part written (INIT, commit); ``inf`` unknown."""
-
-
-def _check_finite(views: list[tuple[int, int, torch.Tensor]], what: str, metas: tuple) -> None:
-    for i, _off, view in views:
-        if absmax(view) == math.inf:
-            raise WireError(f"{what} {metas[i].name[:80]!r} holds NaN or Inf")
+    """``max |value|`` and ``max |momentum|`` over the part written (INIT, a checked commit); ``nan``:
+    not measured (an unchecked commit)."""
 
 
 def fold_part(w: FoldPart, scratch: Scratch) -> None:
-    """Fold one verified part: ``s = w * d`` for the first contribution, ``s = s + w * d`` after."""
+    """Fold one part, chunk by chunk while the chunk is in cache: verify its digest, check it is
+    finite (its largest magnitude bounds the sum: ``absmax[k] += w * max |d|``), then
+    ``s = w * d`` for the part's first contribution or ``s = s + w * d``. A refused chunk may
+    leave earlier chunks folded: the state then voids the whole attempt (the sum is dropped)."""
     if w.sum.void:
         return
     if w.quant is not None:
         _fold_quant_part(w)
         return
-    w.opened.verify(parallel=False)
-    views = w.opened.chunk_views()
-    # Check everything first: a refused part must not have touched the sum.
-    _check_finite(views, "segment", w.opened.metas)
-    starts = _segment_starts(w.opened, w.lo)
-    placed = [(starts[i] + off, view) for i, off, view in views]
-    # float(weight) is rounded to fp32 by the kernel, like np.float32(w)
-    w.sum.absmax[w.part] = fold_views(placed, w.sum.flat, float(w.weight), not w.sum.started[w.part], scratch)
+    opened = w.opened
+    weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
+    first = not w.sum.started[w.part]
+    starts = _segment_starts(opened, w.lo)
+    dmax = 0.0
+    for i, off, view in opened.chunk_views():
+        meta = opened.metas[i]
+        c = off * view.element_size() // opened.chunk_bytes
+        raw = memoryview(view.view(torch.uint8).numpy())
+        if xxhash.xxh3_64_intdigest(raw, seed=opened.seed) != meta.chunks[c]:
+            raise WireError(f"chunk {c} of {meta.name[:80]!r} fails its digest (corrupted or tampered)")
+        a = absmax(view)
+        if a == math.inf:
+            raise WireError(f"segment {meta.name[:80]!r} holds NaN or Inf")
+        dmax = max(dmax, a)
+        pos = starts[i] + off
+        fold_chunk(view, w.sum.flat[pos : pos + view.numel()], weight, first, scratch)
+    w.sum.absmax[w.part] = (0.0 if first else w.sum.absmax[w.part]) + abs(weight) * dmax
     w.sum.started[w.part] = True
 
 
@@ -247,8 +259,8 @@ def commit_part(w: CommitPart, scratch: Scratch) -> tuple[dict[str, Payload], tu
     then the broadcast payloads of the part (digests; one bf16 conversion)."""
     mu = float(w.hyper.momentum)
     vmax, mmax = outer_step(w.sum.flat, w.value, w.momentum if mu > 0 else None, w.new_momentum, w.lo, w.hi,
-                            float(w.total_weight), float(w.hyper.lr), mu, scratch)
-    if vmax == math.inf or mmax == math.inf:
+                            float(w.total_weight), float(w.hyper.lr), mu, scratch, w.check)
+    if w.check and (vmax == math.inf or mmax == math.inf):
         # A huge (finite) delta can overflow the merged value: refuse the commit. The value (and
         # a pinned momentum) were written out of place, so the state drops it having changed nothing.
         raise WireError(f"the outer step's result is not finite in elements [{w.lo}, {w.hi})")

@@ -167,7 +167,9 @@ class RoundRecord:
     committing: bool = False
     commit_started: float = 0.0
     commit_absmax: list[tuple[float, float]] = field(default_factory=list)
-    """Per part ``(max |value'|, max |momentum'|)`` the data plane reported for the commit."""
+    """Per part ``(max |value'|, max |momentum'|)`` the data plane measured (``nan``: not checked)."""
+    commit_bounds: list[tuple[float, float]] = field(default_factory=list)
+    """Per part bounds of ``(|value'|, |momentum'|)`` that the commit was started with."""
     commit_started: float = 0.0
     """Clock when the commit of the current attempt started (its event's ``commit_s`` counts from it)."""
 
