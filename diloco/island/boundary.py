@@ -68,6 +68,7 @@ from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.background import Background
 from diloco.island.datapath import DataPath
 from diloco.hostmem import tune_island_malloc
+from diloco.protocol.schedule import Schedule
 from diloco.island.lifecycle import StartFinish, _fp32
 from diloco.island.orders import Orders, exchange_orders
 from diloco.island.transfer import FragmentTransfer
@@ -329,9 +330,9 @@ class Island(StartFinish):
         if h <= 0 or (total > 0 and self.step > total):
             return False
         installing = {(f, r) for f, _, r, _ in orders.applies}
-        # ceil(t·H/P) == step  <=>  (step − 1)·P/H < t <= step·P/H
-        due = range((self.step - 1) * p // h + 1, self.step * p // h + 1)
-        waiting = [t for t in due if self.applied_round[(t - 1) % p] < t and ((t - 1) % p, t) not in installing]
+        sched = Schedule(h, p, total)
+        waiting = [t for t in sched.rounds_opening_at(self.step)
+                   if self.applied_round[sched.fragment_of(t)] < t and (sched.fragment_of(t), t) not in installing]
         if not waiting:
             return False
         now = time.monotonic()

@@ -21,6 +21,7 @@ import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.protocol import refusals
 
 if TYPE_CHECKING:
     from diloco.island.client import ClientStats
@@ -29,11 +30,9 @@ log = logging.getLogger("diloco.island.client")
 
 Tensors = list[tuple[str, torch.Tensor]]
 
-_FATAL_CODES = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", "fragments_mismatch",
-                          "bad_fingerprint", "bad_fragments", "bad_dtype", "finished", "fragment_too_large",
-                          "bad_init"})
+_FATAL_CODES = refusals.FATAL
 """ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
-_REJOIN_CODES = frozenset({"not_bound", "unknown_generation"})
+_REJOIN_CODES = refusals.REJOIN
 """ERROR codes meaning the syncer lost our binding (it restarted): say HELLO again."""
 _IN_USE_RETRY_S = 1.0
 """A HELLO refused with ``island_in_use`` before we were ever welcomed is retried this often (the

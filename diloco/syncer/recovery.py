@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.protocol import refusals
 from diloco.syncer.book import zeros
 from diloco.syncer.checks import Refused
 from diloco.syncer.fields import StateFields
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.syncer.state")
 
-COUNTED_REFUSALS = frozenset({"bad_part", "bad_counts", "bad_base_version", "stale_base", "wrong_fragment"})
+COUNTED_REFUSALS = refusals.COUNTED
 """PUSH refusals that count towards ``--max-refusals`` (with ``bad_push`` from the data plane): what
 the island sent was wrong. Races (an attempt or round that moved on meanwhile) do not count."""
 
