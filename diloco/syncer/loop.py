@@ -51,8 +51,10 @@ import zmq
 from diloco.security import ServerCurve
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
+from diloco.syncer.links import LinkWatch
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.listener import SYNCER_LIMITS, open_listener
 from diloco.syncer.records import Outgoing, OutStream
@@ -108,6 +110,14 @@ class LoopOptions:
     curve: ServerCurve | None = None
 
 
+def _user_id(frame: Any) -> str:
+    """The ZAP User-Id of a received frame (the Curve client key, Z85), or "" when it has none."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
 class SyncerLoop:
     """Serve one ``SyncerState`` on a ROUTER socket until it finishes or is stopped.
 
@@ -140,10 +150,10 @@ class SyncerLoop:
         self.sock: zmq.Socket[Any] = self.listener.sock
         self.auth = self.listener.auth
         self.endpoint: str = self.listener.endpoint
+        self._keyed_ids = options.curve is not None and options.curve.clients_dir is not None
         self._events: IO[str] | None = open(options.event_log, "a") if options.event_log else None
         self._last_status = 0.0
-        self._writer: threading.Thread | None = None
-        self._writer_failed = False
+        self._writer = CheckpointWriter(store)
         self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -155,6 +165,8 @@ class SyncerLoop:
         self._tracked: list[tuple[Stream, OutStream]] = []
         """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
         self.faults = FaultHook.from_env()
+        self.links = LinkWatch(state.config.islands)
+        """Per-island throughput, PROGRESS notices, the "H too small" warning (``syncer/links.py``)."""
         self.lost_streams = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -228,6 +240,9 @@ class SyncerLoop:
             self.wire_refusals += 1
             log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
             return []
+        # Curve mode: the client's authenticated public key (ZAP's User-Id) owns the island id it claims.
+        self.state.sender_key = _user_id(frames[1]) if self._keyed_ids else ""
+        self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now)
         try:
             return self.state.handle(peer, opened, now)
         except Exception:
@@ -238,39 +253,21 @@ class SyncerLoop:
     def _checkpoint_if_due(self, wait: bool = False) -> None:
         """Start a due checkpoint on the writer thread; ``wait`` also waits for it (final)."""
         self._reap_writer(wait=wait)
-        if not self.state.checkpoint_due or self._writer is not None:
+        if not self.state.checkpoint_due or self._writer.busy:
             return  # a due checkpoint waits for the one in flight
         if any(f.committing for f in self.state.fragments):
             return  # snapshot between commits: a commit in flight swaps buffers when it lands
         self.state.checkpoint_due = False
         if self.store is None or not self.state.initialised:
             return
-        snap = self.state.snapshot()
-        store = self.store
-        self._writer_failed = False
-
-        def write() -> None:
-            try:
-                store.save(snap)
-            except Exception:  # noqa: BLE001 - reported on the loop thread
-                log.exception("checkpoint write failed; the syncer keeps serving without it")
-                self._writer_failed = True
-
-        self._writer = threading.Thread(target=write, name="yeto-checkpoint", daemon=True)
-        self._writer.start()
+        self._writer.start(self.state.snapshot())
         if wait:
             self._reap_writer(wait=True)
 
     def _reap_writer(self, wait: bool) -> None:
         """Once the writer finished, release the snapshot's pins (on the loop thread)."""
-        if self._writer is None:
-            return
-        if wait:
-            self._writer.join()
-        if self._writer.is_alive():
-            return
-        self._writer = None
-        self.state.release_snapshot()
+        if self._writer.reap(wait):
+            self.state.release_snapshot()
 
     def _write_events(self) -> None:
         events, self.state.events = self.state.events, []
@@ -445,6 +442,7 @@ class SyncerLoop:
                     self._submit_work()  # counted in the backlog before the next read
                 now = time.monotonic()
                 outgoing.extend(self.state.tick(now))
+                outgoing.extend(self.links.observe(self.state, self._tracked, self._pacer.pending, now))
                 self._submit_work()
                 self._write_events()
                 self._checkpoint_if_due()
@@ -459,7 +457,7 @@ class SyncerLoop:
             self._reap_writer(wait=True)
             self._checkpoint_if_due(wait=True)
             code = self.state.exit_code if self.state.exit_code is not None else EXIT_FINAL_FAILED
-            if self._writer_failed and code == 0:
+            if self._writer.failed and code == 0:
                 log.error("the final checkpoint could not be written")
                 code = EXIT_FINAL_FAILED
             log.info("syncer finished with exit code %d: %s; merged %s", code, self.state.status(),

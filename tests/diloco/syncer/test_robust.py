@@ -1,0 +1,65 @@
+"""Robust aggregation and admission-gate rules as plain values (``robust.py``, ``gate.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diloco.syncer.gate import Gate, read_allow_list
+from diloco.syncer.robust import PartBound, Reference, cap_weight, check_chunk, clamp_counts, finish_part, overflow_safe
+from diloco.wire import WireError
+
+
+def test_counts_are_clamped_and_a_liars_weight_capped() -> None:
+    steps, toks, why = clamp_counts(2**40, 2**64 - 1, sync_every=10, steps_factor=4, max_tokens_per_step=1000)
+    assert (steps, toks) == (40, 40_000) and why
+    assert clamp_counts(10, 5000, 10, 4, 1000) == (10, 5000, None)
+    w, why = cap_weight(2**64 - 1, [10**8], factor=4.0)
+    assert w == 4 * 10**8 and why  # the liar's share: 4/5, not 100 %
+    assert cap_weight(10**8, [], 4.0) == (10**8, None)
+
+
+def test_part_bounds_refuse_absurd_elements_and_norms() -> None:
+    with pytest.raises(WireError, match="above the bound"):
+        check_chunk(PartBound(), 1e30, torch.full((4,), 1e30))
+    b = PartBound(hard_norm=10.0)
+    check_chunk(b, 6.0, torch.full((4,), 6.0))
+    with pytest.raises(WireError, match="above the bound"):
+        finish_part(b)  # norm 12 > 10
+    ok = PartBound(hard_norm=10.0)
+    check_chunk(ok, 3.0, torch.full((4,), 3.0))
+    finish_part(ok)
+    assert math.isclose(ok.sumsq, 36.0)
+    assert overflow_safe([2**40] * 64) and not overflow_safe([2**120])
+
+
+def test_reference_rms_comes_from_the_previous_round_of_the_fragment() -> None:
+    ref = Reference()
+    assert ref.bound(0, 1, 0, 4, 64.0).hard_norm == math.inf
+    for island, norm in ((0, 2.0), (1, 4.0), (2, 100.0)):
+        ref.sink(0, 1, island, 4)(norm)
+    ref.sink(0, 3, 0, 4)(1.0)  # round 3 of fragment 0 starts: round 1 becomes the reference
+    assert math.isclose(ref.rms[0], 2.0)  # median of RMS 1, 2, 50
+    assert math.isclose(ref.bound(0, 3, 0, 4, 64.0).hard_norm, 64.0 * 2.0 * 2.0)
+
+
+def test_keys_own_island_ids_and_hellos_are_rate_limited(tmp_path) -> None:
+    g = Gate()
+    assert g.key_problem(1, "K" * 40) is None
+    g.bind(1, "K" * 40)
+    assert "another key" in g.key_problem(1, "L" * 40)
+    assert "owns island id 1" in g.key_problem(2, "K" * 40)
+    assert g.key_problem(1, "") is None  # HMAC / insecure: no per-island keys
+    g2 = Gate()
+    g2.restore(g.to_json())
+    assert g2.bindings == {1: "K" * 40}
+    sent = [g.allow_hello(b"peer", 0.0) for _ in range(10)]
+    assert sent.count(True) == 4 and g.rate_limited == 6
+    assert g.allow_hello(b"peer", 2.0)  # earned one back
+    (tmp_path / "ids").write_text("# id = key\n0 = " + "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7" + "\n")
+    assert read_allow_list(str(tmp_path / "ids"), 2) == {0: "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"}
+    (tmp_path / "bad").write_text("5 = nope\n")
+    with pytest.raises(ValueError, match="bad:1"):
+        read_allow_list(str(tmp_path / "bad"), 2)
