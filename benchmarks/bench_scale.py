@@ -14,13 +14,21 @@ Figures (last line, one JSON object):
   moving the same bytes both ways (2 islands up, 2 down); target <= 1.5.
 * ``init_vs_wire``: INIT start -> cut received at island 0 (INIT up, cut down) over the
   bare pair moving the fragment up and back; target <= 1.3.
-* ``syncer_rss_over_state``: syncer peak RSS (VmHWM) / (value + momentum + one sum);
-  target <= 1.25.
+* ``syncer_rss_over_state``: syncer peak RSS (VmHWM) / (value + momentum + one sum; the
+  momentum only with ``--outer-momentum > 0`` in ``--syncer-args``); target <= 1.25.
+* ``syncer_rss_over_model``: (syncer VmHWM - its RSS before any island joined) / fragment
+  bytes (the model here is one fragment): the figure of ``bench_memory.py``'s
+  ``syncer_peak_over_model`` for one fragment.
+* ``merge_gbps_vs_memcpy``: the syncer's commit throughput (fragment bytes / commit time, from
+  its log, median over rounds) over a memcpy of the same bytes in this process; target >= 0.5.
+* ``digest_gbps``: ``diloco.digest.FragmentDigest`` fed the fragment part by part (32 MiB), on
+  one core; ``digest_vs_xxh3`` over xxh3-128 of one contiguous buffer of the same bytes;
+  target >= 5 GB/s.
 * ``rounds_changed``: rounds that changed the model (must equal ``rounds``).
 
 Usage::
 
-    python benchmarks/bench_scale.py [--gib 1.0] [--tensors 30] [--rounds 4] [--data-threads N]
+    python benchmarks/bench_scale.py [--gib 1.0] [--tensors 30] [--rounds 4] [--data-threads N] [--smoke]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -190,11 +199,52 @@ def pinger_main(argv: list[str]) -> None:
     addr, fp, numel, out = argv[0], argv[1], int(argv[2]), argv[3]
     p = Pinger(addr, os.environ["YETO_SYNC_KEY"].encode(), fp, numel)
     signal.signal(signal.SIGTERM, lambda *_: p.stop.set())
+    Path(out).write_text("[]")  # ready: SIGTERM now ends the pinger cleanly
     p.start()
     while not p.stop.is_set():
         time.sleep(0.05)
     p.join(5)
     Path(out).write_text(json.dumps(p.samples))
+
+
+def memcpy_and_digest(values: list[tuple[str, torch.Tensor]]) -> tuple[float, float, float]:
+    """(memcpy GB/s, FragmentDigest GB/s, FragmentDigest / xxh3-128 of a contiguous buffer) over the
+    fragment's bytes, on this thread (one core), medians of three."""
+    import xxhash
+
+    from diloco.digest import FragmentDigest
+
+    layout = wire.FragmentLayout.of([(n, tuple(t.shape)) for n, t in values])
+    flat = torch.cat([t.reshape(-1) for _, t in values])
+    dst = torch.empty_like(flat)
+    nbytes = flat.numel() * 4
+    part = 8 << 20
+
+    def timed(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def digest() -> None:
+        d = FragmentDigest(layout.names, layout.shapes)
+        for a in range(0, flat.numel(), part):
+            d.update(flat[a : a + part])
+        d.hexdigest()
+
+    copy_s = timed(lambda: dst.copy_(flat))
+    digest_s = timed(digest)
+    xxh3_s = timed(lambda: xxhash.xxh3_128_hexdigest(memoryview(flat.view(torch.uint8).numpy())))
+    del flat, dst
+    return nbytes / copy_s / 1e9, nbytes / digest_s / 1e9, xxh3_s / digest_s
+
+
+def vm_rss(pid: int) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024  # type: ignore[union-attr]
 
 
 def vm_hwm(pid: int) -> int:
@@ -209,13 +259,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--data-threads", type=int, default=0, help="syncer --data-threads (0: its default)")
     ap.add_argument("--insecure", action="store_true", help="no key: plain TCP (the syncer's --insecure)")
-    ap.add_argument("--syncer-args", default="", help="more syncer flags, e.g. '--part-mib 16 --stream-window 1'")
+    ap.add_argument("--syncer-args", default="", help="more syncer flags, e.g. '--part-mib 16 --outer-momentum 0.9'")
+    ap.add_argument("--smoke", action="store_true", help="tiny fragment, two rounds: checks it runs (seconds)")
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         pinger_main(sys.argv[3:])
         return
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
+    if args.smoke:
+        args.gib, args.tensors, args.rounds = 1 / 64, 4, 2
     numel = int(args.gib * 2**30 / 4) // args.tensors * args.tensors
     per = numel // args.tensors
     names = [f"decoder.layers.{i}.weight" for i in range(args.tensors)]
@@ -225,6 +278,8 @@ def main() -> None:
     nbytes = numel * 4
     print(f"fragment: {nbytes / 2**30:.2f} GiB in {args.tensors} tensors")
 
+    memcpy_gbps, digest_gbps, digest_vs_xxh3 = memcpy_and_digest(values)
+    print(f"memcpy {memcpy_gbps:.2f} GB/s, fragment digest {digest_gbps:.2f} GB/s ({digest_vs_xxh3:.3f} of xxh3)")
     wire_init = bare_wire(1, [t for _, t in values], repeat=2)
     wire_round = bare_wire(2, [t for _, t in delta], repeat=2)
     print(f"bare zmq: one island up+down {wire_init:.3f}s, two islands up+down {wire_round:.3f}s")
@@ -249,6 +304,7 @@ def main() -> None:
             assert syncer.poll() is None and time.monotonic() < deadline, (tmp / "syncer.log").read_text()
             time.sleep(0.05)
         addr = m.group(1)
+        rss_idle = vm_rss(syncer.pid)  # before any island joined
         fp = "bench-scale"
         layout = wire.FragmentLayout.of([(n, (per,)) for n in names])
         clients = [SyncClient(IslandConfig(sync_addr=addr, island_id=i, key=key, sync_timeout_s=120.0,
@@ -304,6 +360,9 @@ def main() -> None:
         t_rounds = windows[0][0] if windows else time.monotonic()
         rss_init = sampler.peak_between(t_init, t_rounds)
         rss_rounds = sampler.peak_between(t_rounds, time.monotonic())
+        deadline = time.monotonic() + 60
+        while not samples_path.exists() and pinger.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a pinger still importing would die of SIGTERM without its samples
         pinger.terminate()
         pinger.wait(30)
         ping_samples = [tuple(x) for x in json.loads(samples_path.read_text())]
@@ -322,7 +381,12 @@ def main() -> None:
     p99 = during[min(len(during) - 1, int(0.99 * len(during)))] * 1e3 if during else float("nan")
     events = [json.loads(x) for x in (tmp / "events.jsonl").read_text().splitlines()]
     changed = sum(1 for e in events if e.get("changed") and not e.get("flush"))
-    state = 3 * nbytes
+    momentum = re.search(r"--outer-momentum[ =]([0-9.]+)", args.syncer_args)
+    with_momentum = bool(momentum and float(momentum.group(1)) > 0)
+    state = (3 if with_momentum else 2) * nbytes
+    merges = [float(g) for g in re.findall(r"-> version \d+ .* in [0-9.]+s \(([0-9.]+) GB/s\)",
+                                           (tmp / "syncer.log").read_text())]
+    merge_gbps = statistics.median(merges) if merges else float("nan")
     out = {
         "heartbeat_p99_ms_during_commit": round(p99, 1),
         "heartbeats_during_commit": len(during),
@@ -333,6 +397,12 @@ def main() -> None:
         "init_s": round(init_s, 3),
         "wire_init_s": round(wire_init, 3),
         "syncer_rss_over_state": round(rss / state, 3),
+        "syncer_rss_over_model": round((rss - rss_idle) / nbytes, 3),
+        "merge_gbps_vs_memcpy": round(merge_gbps / memcpy_gbps, 3),
+        "merge_gbps": round(merge_gbps, 2),
+        "memcpy_gbps": round(memcpy_gbps, 2),
+        "digest_gbps": round(digest_gbps, 2),
+        "digest_vs_xxh3": round(digest_vs_xxh3, 3),
         "syncer_peak_rss_gib": round(rss / 2**30, 3),
         "syncer_rss_init_gib": round(rss_init / 2**30, 3),
         "syncer_rss_rounds_gib": round(rss_rounds / 2**30, 3),
@@ -343,6 +413,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "syncer_args": args.syncer_args,
         "mode": "insecure" if args.insecure else "hmac",
+        "smoke": args.smoke,
     }
     print(f"syncer log: {tmp / 'syncer.log'}")
     print(json.dumps(out))

@@ -208,9 +208,10 @@ class Merge(StateFields):
             }
         )
         log.info(
-            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)",
+            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)%s",
             r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
             ", flush" if r.flush else "",
+            f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
         )
         if not changed:
             return

@@ -1,0 +1,43 @@
+"""The syncer's benchmarks run end to end in their ``--smoke`` mode (tiny sizes, real processes).
+
+Checks what a smoke run can check without timing anything: the last line is one JSON object
+with every figure, the merge agreed with numpy bit for bit (the benchmark raises otherwise),
+the round trip was exact, and every round changed the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integ, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _last_json(script: str) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke"], capture_output=True,
+                          text=True, timeout=280, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_wire_smoke() -> None:
+    figures = _last_json("bench_wire.py")
+    assert figures["smoke"] is True
+    for key in ("wire_vs_zmq", "merge_vs_numpy"):
+        assert math.isfinite(figures[key]) and figures[key] > 0, key
+
+
+def test_bench_scale_smoke() -> None:
+    figures = _last_json("bench_scale.py")
+    assert figures["smoke"] is True and figures["syncer_exit"] == 130
+    assert figures["rounds_changed"] == figures["rounds"] == 2
+    for key in ("round_vs_wire", "init_vs_wire", "syncer_rss_over_state", "merge_gbps_vs_memcpy", "digest_gbps",
+                "digest_vs_xxh3"):
+        assert math.isfinite(figures[key]) and figures[key] > 0, key
