@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from diloco.syncer.checks import Dropped, Refused, check_schema
 from diloco.syncer.fields import StateFields
+from diloco.syncer.gate import Gate
 from diloco.syncer.dataplane import InitPart, Result
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing
 from diloco.wire import (
@@ -43,6 +44,10 @@ MAX_FINGERPRINT_CHARS = 256
 
 class Admission(StateFields):
     """HELLO, INIT and the session checks (methods of ``SyncerState``)."""
+
+    gate: Gate
+    sender_key: str = ""
+    """Z85 Curve public key of the message being handled (set by the loop; empty outside Curve mode)."""
 
     def stamp(self, peer: bytes) -> tuple[int, int]:
         """(nonce, seq) for the next message sealed for ``peer``; (0, 0) for a peer we do not bind."""
@@ -118,6 +123,8 @@ class Admission(StateFields):
             raise Refused("unknown_island", f"island {h.island} outside [0, {cfg.islands})")
         if h.generation < 0:
             raise Refused("bad_generation", f"generation {h.generation} < 0")
+        if not self.gate.allow_hello(self.sender_key.encode() or peer, now):
+            raise Refused("hello_rate", f"HELLOs from this sender faster than {self.gate.rate}/s", quiet=True)
         # A client says HELLO once per connection, under a fresh generation: a second HELLO of
         # one generation is a replay, and the replayer gets nothing (not even an ERROR).
         if (h.island, h.generation) in self.hellos_seen:
@@ -149,16 +156,20 @@ class Admission(StateFields):
             raise Refused("finished", "the syncer has finished")
         # Another process, not a reconnect: another instance (islands send a random one per
         # process, kept across redials) while the binding was heard from within --dead-after-s.
-        other = bool(h.instance and rec.instance and h.instance != rec.instance and peer != rec.peer)
+        other = h.instance != rec.instance and peer != rec.peer
         if (rec.bound and rec.alive and rec.generation != h.generation and other
                 and now - rec.last_seen <= cfg.dead_after_s):
             raise Refused("island_in_use", f"island id {h.island} is bound to another live process (peer "
                                            f"{rec.peer.hex()}, heard {now - rec.last_seen:.1f}s ago, within "
                                            f"--dead-after-s={cfg.dead_after_s:.0f}s): two processes share one "
                                            f"YETO_DILOCO_ISLAND_ID?")
+        problem = self.gate.key_problem(h.island, self.sender_key)
+        if problem:
+            raise Refused("key_not_owner", problem)
 
         # --- accepted: mutate from here on
         self.hellos_seen.add((h.island, h.generation))
+        self.gate.bind(h.island, self.sender_key)
         if self.fingerprint is None:
             self.fingerprint = h.fingerprint
             self.fragments = [FragmentRecord(index=f) for f in range(h.n_fragments)]

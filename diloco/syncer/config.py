@@ -86,6 +86,18 @@ class SyncerConfig:
     max_refusals: int = 5
     max_open_rounds: int = 2
     flush_merge: str = "mean"
+    island_keys: tuple[tuple[int, str], ...] = ()
+    """Curve mode: fixed ``(island id, Z85 public key)`` bindings (``--island-keys``); empty: first use."""
+    max_tokens_per_step: int = 1 << 24
+    """Tokens one local step may claim; a push's tokens are clamped to it times its (clamped) local steps."""
+    max_steps_factor: int = 4
+    """A push's local steps are clamped to this many times H (``--sync-every``)."""
+    weight_factor: float = 4.0
+    """A push weighs at most this many times the median weight of the round's other pushes (or of the
+    fragment's previous round)."""
+    norm_hard_factor: float = 64.0
+    """An fp32 push part whose RMS is above this many times the fragment's reference RMS (the median
+    of the previous round) is refused (``robust.py``)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -120,6 +132,13 @@ class SyncerConfig:
              f"must be >= 1, got {self.max_refusals}")
         need(isinstance(self.max_open_rounds, int) and self.max_open_rounds >= 1, "--max-open-rounds",
              f"must be >= 1, got {self.max_open_rounds}")
+        need(isinstance(self.max_tokens_per_step, int) and self.max_tokens_per_step >= 1, "--max-tokens-per-step",
+             f"must be >= 1, got {self.max_tokens_per_step}")
+        need(self.max_steps_factor >= 1, "max_steps_factor", f"must be >= 1, got {self.max_steps_factor}")
+        need(math.isfinite(self.weight_factor) and self.weight_factor >= 1, "--max-weight-factor",
+             f"must be >= 1, got {self.weight_factor}")
+        need(math.isfinite(self.norm_hard_factor) and self.norm_hard_factor >= 1, "norm_hard_factor",
+             f"must be >= 1, got {self.norm_hard_factor}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property

@@ -46,6 +46,7 @@ from diloco import quant
 from diloco.digest import tensor_digest
 from diloco.outer import OuterHyper
 from diloco.syncer.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
+from diloco.syncer.robust import PartBound, check_chunk, finish_part
 from diloco.wire import Opened, Payload, WireError, encode_payload
 from diloco.wire.parts import FragmentLayout
 
@@ -99,6 +100,8 @@ class FoldPart:
     """(kind, block) for an int8 / q4 push part (codes + scales), None for fp32 / bf16 segments."""
     n: int = 0
     """Elements of the part (needed to read a q4 payload, whose codes pack two per byte)."""
+    bound: PartBound | None = None
+    """Element and norm bounds of an fp32 / bf16 part (``robust.py``); None: finiteness only."""
 
 
 @dataclass
@@ -206,10 +209,14 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
         if a == math.inf:
             raise WireError(f"segment {meta.name[:80]!r} holds NaN or Inf")
         dmax = max(dmax, a)
+        if w.bound is not None:
+            check_chunk(w.bound, a, view)  # before folding it: an absurd chunk never reaches the sum
         pos = starts[i] + off
         fold_chunk(view, w.sum.flat[pos : pos + view.numel()], weight, first, scratch)
     w.sum.absmax[w.part] = (0.0 if first else w.sum.absmax[w.part]) + abs(weight) * dmax
     w.sum.started[w.part] = True
+    if w.bound is not None:
+        finish_part(w.bound)
 
 
 def _fold_quant_part(w: FoldPart) -> None:

@@ -19,6 +19,8 @@ from diloco.protocol import refusals
 from diloco.syncer.book import zeros
 from diloco.syncer.checks import Refused
 from diloco.syncer.fields import StateFields
+from diloco.syncer.gate import Gate
+from diloco.syncer.robust import BOUND_MARK, Reference
 from diloco.syncer.records import (
     FragmentRecord,
     FragmentSnapshot,
@@ -41,6 +43,9 @@ the island sent was wrong. Races (an attempt or round that moved on meanwhile) d
 
 class Recovery(StateFields):
     """Lost messages, refusal counting, attempt restarts, checkpoints (methods of ``SyncerState``)."""
+
+    reference: Reference
+    gate: Gate
 
     def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float) -> None:
         """The loop could not deliver a message to ``peer`` (a send error: the peer is gone, or
@@ -83,6 +88,12 @@ class Recovery(StateFields):
         """One more push refusal in a row; ``--max-refusals`` of them evict the island from rounds
         (one island whose pushes are always refused must not re-pull the same round forever)."""
         rec.refusals_in_row += 1
+        if why.startswith("bad_push"):
+            self.reference.count(rec.island, "refused")
+        if why.startswith("bad_push") and BOUND_MARK in why:
+            # An out-of-bound delta is no accident: its attempt is replaced without the island, so the
+            # round commits with the others (a corrupted or non-finite part is re-pulled from it).
+            self.reference.benched.add(rec.island)
         if rec.evicted or rec.refusals_in_row < self.config.max_refusals:
             return
         rec.evicted = True
@@ -124,7 +135,12 @@ class Recovery(StateFields):
         An island that has the value ignores the replay."""
         if r.sum is not None:
             r.sum.void = True
-        members = frozenset(i.island for i in self.live() if i.cut_sent and not i.evicted)
+        members = frozenset(i.island for i in self.live()
+                            if i.cut_sent and not i.evicted and i.island not in self.reference.benched)
+        if self.reference.benched:
+            log.warning("round %d: islands %s left out of the next attempt (their part was refused)", r.round,
+                        sorted(self.reference.benched))
+            self.reference.benched.clear()
         if resend:
             frag = self.fragments[r.fragment]
             for i in sorted(r.members - set(r.pushes)):
@@ -189,6 +205,7 @@ class Recovery(StateFields):
                 "outer_momentum": self.config.outer_momentum,
                 "weighting": self.config.weighting,
                 "sync_every": self.config.sync_every,
+                "key_bindings": self.gate.to_json(),
             },
         )
 
@@ -220,6 +237,9 @@ class Recovery(StateFields):
             if 0 <= island < self.config.islands:
                 ledger = self.islands[island].ledger
                 ledger.merges, ledger.steps, ledger.tokens = led["merges"], led["steps"], led["tokens"]
+        saved = snap.hyper.get("key_bindings", {})
+        if isinstance(saved, dict):
+            self.gate.restore(saved)
         self.fingerprint = snap.fingerprint
         self.fragments = frags
         self._size_pool()

@@ -34,6 +34,9 @@ from typing import Any
 from diloco.outer import OuterHyper, push_weight
 from diloco.protocol.schedule import Schedule
 from diloco.syncer.admission import Admission
+from diloco.syncer.gate import Gate
+from diloco.syncer.robust import Reference
+from diloco.syncer.robustrules import RobustRules
 from diloco.syncer.book import FragmentBook
 from diloco.syncer.checks import Dropped, Refused
 from diloco.syncer.commit import Merge
@@ -69,7 +72,7 @@ log = logging.getLogger(__name__)
 Out = Outgoing | OutStream
 
 
-class SyncerState(Merge, Admission, Recovery, RoundClock):
+class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules):
     """All syncer state and the transitions between states.
 
     Args:
@@ -126,6 +129,10 @@ class SyncerState(Merge, Admission, Recovery, RoundClock):
         """(island, generation) of every authenticated HELLO: a second one is a replay."""
         self.dropped = 0
         """Messages refused silently (replays, foreign routing ids)."""
+        self.gate = Gate(dict(config.island_keys) if config.island_keys else None)
+        self.reference = Reference()
+        """Robust aggregation: reference norms and weights, per-island tallies (``robust.py``)."""
+        """Key bindings and HELLO budgets (``gate.py``)."""
         if snapshot is not None:
             self._restore(snapshot)
 
@@ -353,7 +360,7 @@ class SyncerState(Merge, Admission, Recovery, RoundClock):
         if push is None:
             push = r.pushes[h.island] = PushRecord(
                 island=h.island, base_version=h.base_version, local_steps=h.local_steps, tokens=h.tokens,
-                weight=push_weight(h.local_steps, h.tokens, self.config.weighting), n_parts=h.n_parts,
+                weight=self._robust_weight(r, h, now), n_parts=h.n_parts,
             )
         push.last_part_at = now
         rec.refused_push = None
@@ -368,7 +375,8 @@ class SyncerState(Merge, Admission, Recovery, RoundClock):
         lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
-        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo))
+        self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo,
+                                  self._part_bound(r, h.island, hi - lo) if quant is None else None))
 
     def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
