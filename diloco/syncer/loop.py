@@ -111,7 +111,8 @@ class LoopOptions:
 
 
 def _user_id(frame: Any) -> str:
-    """The ZAP User-Id of a received frame (the Curve client key, Z85), or "" when it has none."""
+    """The ZAP User-Id of a received frame (Curve mode: the client key, Z85, which owns the island id
+    it claims; ``gate.py``), or "" when it has none."""
     try:
         return str(frame.get("User-Id"))
     except (zmq.ZMQError, UnicodeDecodeError):
@@ -144,7 +145,6 @@ class SyncerLoop:
         """Set (by SIGHUP) to re-read the Curve certificates directory."""
         self.wire_refusals = 0
         self.dropped_sends = 0
-        # Frame size, handshake timeout, connection caps, ZAP: what a stranger may cost.
         self.listener = open_listener(self.ctx, options.bind, options.curve, options.limits, options.caps,
                                       options.sndhwm, options.rcvhwm, options.linger_ms)
         self.sock: zmq.Socket[Any] = self.listener.sock
@@ -240,7 +240,6 @@ class SyncerLoop:
             self.wire_refusals += 1
             log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
             return []
-        # Curve mode: the client's authenticated public key (ZAP's User-Id) owns the island id it claims.
         self.state.sender_key = _user_id(frames[1]) if self._keyed_ids else ""
         self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now)
         try:
