@@ -8,6 +8,7 @@ event log says; ``/healthz`` is 200 while the control loop turns and 503 once it
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -65,11 +66,13 @@ def test_metrics_match_the_event_log_and_healthz_follows_the_loop(
                           "--quorum-timeout-s", "60", "--event-log", str(events), "--metrics-port", str(free_port),
                           "--metrics-linger-s", "120"])
     base = f"http://127.0.0.1:{free_port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for i in range(2):
         spawned.append(spawn([sys.executable, str(ISLAND), "--addr", syncer.endpoint, "--island-id", str(i),
                               "--out", str(tmp_path), "--steps", str(STEPS), "--start-together", "2"],
                              stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT,
-                             cwd=str(REPO)))
+                             cwd=str(REPO), env=env))
     # While the islands train: healthy, and the text parses.
     code, text = _wait(lambda: (r := _get(base + "/healthz"))[0] == 200 and r, 60, "/healthz 200")
     assert text.startswith("ok")
