@@ -48,6 +48,7 @@ import zmq
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.inbox import Inbox, PendingBcast, SyncError, _Assembly
+from diloco.island.liveness import Liveness
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, Stream
 
@@ -117,6 +118,8 @@ class SyncClient(Inbox):
         self._stop = threading.Event()
         self._rejoin = threading.Event()
         self.stats = ClientStats()
+        self.liveness = Liveness()
+        """Progress clocks (what a waiting island counts as moving) and link measurements."""
         self.pool = wire.HostBufferPool(max_idle_bytes=2 * max((lay.numel * 4 for lay in self._layouts), default=0))
         # State shared with the training thread, guarded by _lock.
         self._welcome: wire.Welcome | None = None
@@ -313,7 +316,7 @@ class SyncClient(Inbox):
     def _enqueue_heartbeat(self) -> None:
         with self._lock:
             hb = wire.Heartbeat(island=self._cfg.island_id, generation=self._generation, step=self._step,
-                                done=self._done)
+                                done=self._done, **self.liveness.report())
         self._control.put(_Outgoing(hb))
 
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -388,6 +391,8 @@ class SyncClient(Inbox):
                             except zmq.Again:
                                 break
                             last_heard = time.monotonic()
+                            if len(frames) > 2:  # only BCAST / FINAL parts carry tensors
+                                self.liveness.on_value_part(sum(len(f.buffer) for f in frames[2:]), last_heard)
                             if self._on_frames(frames):
                                 delay, self._redial_delay = self._redial_delay, 0.0
                                 sock, pacer = self._redial(ctx, sock, delay)
@@ -426,6 +431,7 @@ class SyncClient(Inbox):
     def _redial(self, ctx: zmq.Context, sock: zmq.Socket, delay_s: float) -> tuple[zmq.Socket, Pacer]:
         sock.close(linger=0)
         self.stats.redials += 1
+        self.liveness.on_redial()
         if delay_s > 0:
             self._stop.wait(delay_s)
         with self._lock:
@@ -518,12 +524,22 @@ class SyncClient(Inbox):
     def _send_control(self, sock: zmq.Socket, header: wire.Header, out: _Outgoing) -> None:
         frames = self._seal(header)
         sock.send_multipart(frames, copy=False)
+        if isinstance(header, wire.Heartbeat):
+            self.liveness.on_heartbeat_sent(time.monotonic())
         self.stats.messages_sent += 1
         self._count_sent(0, sum(len(memoryview(f)) for f in frames))
         if out.sent is not None:
             out.sent.set()
 
+    def _on_progress(self, h: wire.Progress) -> None:
+        """A PROGRESS notice (inbox, I/O thread): counted by the progress clocks, refused if malformed."""
+        problem = self.liveness.on_progress(h, time.monotonic())
+        if problem:
+            self.stats.refused += 1
+            log.warning("island %d: refused %s", self._cfg.island_id, problem)
+
     def _count_sent(self, data: int, control: int) -> None:
+        self.liveness.on_sent(data, time.monotonic())
         self.stats.data_bytes_sent += data
         self.stats.control_bytes_sent += control
         self.stats.bytes_sent += data + control
@@ -537,7 +553,8 @@ class SyncClient(Inbox):
         with self._lock:
             gen = self._generation
             if isinstance(header, wire.Heartbeat):
-                return wire.Heartbeat(island=self._cfg.island_id, generation=gen, step=self._step, done=self._done)
+                return wire.Heartbeat(island=self._cfg.island_id, generation=gen, step=self._step, done=self._done,
+                                      **self.liveness.report())
         if isinstance(header, (wire.Init, wire.Push, wire.FinalAck)):
             return msgspec.structs.replace(header, generation=gen)
         return header

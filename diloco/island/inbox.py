@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from diloco.protocol import refusals
 
 if TYPE_CHECKING:
     from diloco.island.client import ClientStats
+    from diloco.island.liveness import Liveness
 
 log = logging.getLogger("diloco.island.client")
 
@@ -97,6 +99,8 @@ class Inbox:
 
     if TYPE_CHECKING:
         def _resend_final_ack(self) -> None: ...
+        def _on_progress(self, h: wire.Progress) -> None: ...
+        liveness: Liveness
 
     def _on_frames(self, frames: list[zmq.Frame]) -> bool:
         """Handle one message from the syncer; True asks the I/O loop to redial.
@@ -168,7 +172,11 @@ class Inbox:
         with self._lock:
             if isinstance(h, wire.Welcome):
                 return self._on_welcome(h)
+            if isinstance(h, wire.Progress):
+                self._on_progress(h)  # diloco.island.liveness: what a waiting island counts as moving
+                return False
             if isinstance(h, wire.Heartbeat):
+                self.liveness.on_heartbeat_reply(time.monotonic())
                 if self._syncer_id is not None and h.syncer_id != self._syncer_id:
                     log.warning("island %d: the syncer restarted (id %x -> %x), rejoining", self._cfg.island_id,
                                 self._syncer_id, h.syncer_id)

@@ -159,9 +159,11 @@ class StartFinish:
                     have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
                     if len(have) != had:
                         progress_at, had = time.monotonic(), len(have)
-                    elif time.monotonic() - progress_at > self.cfg.sync_timeout_s:
+                    elif time.monotonic() - max(progress_at, self.client.liveness.cut_progress_at) > \
+                            self.cfg.sync_timeout_s:
                         # A lost cut message (a connection reset) is never resent on its own: rejoin,
-                        # and the syncer sends the whole cut again.
+                        # and the syncer sends the whole cut again. Not while the cut's bytes (or
+                        # island 0's INIT before it) still move (PROGRESS notices, diloco.island.liveness).
                         self.client.rejoin()
                         progress_at = time.monotonic()
                     if len(have) < self.plan.n_fragments:

@@ -241,7 +241,8 @@ class SyncerLoop:
             log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
             return []
         self.state.sender_key = _user_id(frames[1]) if self._keyed_ids else ""
-        self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now)
+        self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now,
+                              opened.header)
         try:
             return self.state.handle(peer, opened, now)
         except Exception:

@@ -230,6 +230,10 @@ class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
     step: int = 0
     done: bool = False
     syncer_id: int = 0
+    down_bytes_s: int = 0
+    """island -> syncer: the island's measured downlink throughput, bytes/s (0: not measured yet)."""
+    rtt_us: int = 0
+    """island -> syncer: the island's measured round-trip time to the syncer, microseconds (0: unknown)."""
 
 
 class Final(_HeaderBase, tag="FINAL"):
@@ -255,6 +259,27 @@ class FinalAck(_HeaderBase, tag="FINAL_ACK"):
     against its own. Empty: not checked (an older island), logged."""
 
 
+class Progress(_HeaderBase, tag="PROGRESS"):
+    """syncer -> island, every second or so: what moved that the island may be waiting for.
+
+    Counters are cumulative on the syncer (an island compares two notices: a change is
+    progress, the same values again are not), so a waiting island tells a slow link from a
+    dead one and rejoins only when nothing it waits for moves (docs/PROTOCOL.md, "Liveness
+    on slow links")."""
+
+    init_bytes: int = 0
+    """fp32 bytes of INIT received from island 0 so far."""
+    in_bytes: int = 0
+    """Data bytes received from every island (INIT and PUSH parts)."""
+    commits: int = 0
+    """Rounds committed."""
+    sent_bytes: int = 0
+    """Data bytes of value streams (BCAST, cut, FINAL) handed to the network for this island."""
+    queue: int = 0
+    """Value streams queued for this island (its position: how many are ahead of a new one)."""
+    syncer_id: int = 0
+
+
 class Shutdown(_HeaderBase, tag="SHUTDOWN"):
     """syncer -> island: stop; ``reason`` is for the log."""
 
@@ -272,7 +297,7 @@ class Error(_HeaderBase, tag="ERROR"):
     """The round of the refused PUSH (``stale_base``), else 0."""
 
 
-Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error
+Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error | Progress
 HEADER_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
@@ -285,6 +310,7 @@ HEADER_TYPES: tuple[type, ...] = (
     FinalAck,
     Shutdown,
     Error,
+    Progress,
 )
 
 
