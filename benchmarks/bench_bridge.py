@@ -140,7 +140,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="4,64", help="comma-separated tensor sizes in MiB (fp32)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per op (after 2 warm-ups)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (1 MiB, 1 iteration): checks the benchmark runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes_mb, args.iters = "1", 1
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -93,9 +93,9 @@ def pseudo_gradient(n: int, device: torch.device, seed: int = 0) -> torch.Tensor
     return x.view(-1)[:n].contiguous().to(device)
 
 
-def bench_quality(block_choice: int) -> dict[str, object]:
-    """Bytes ratio, relative RMS error and 1-core speed (best of 3) per kind and block size (CPU, 4 Mi elements)."""
-    x = pseudo_gradient(1 << 22, torch.device("cpu"), seed=1)
+def bench_quality(block_choice: int, n: int = 1 << 22) -> dict[str, object]:
+    """Bytes ratio, relative RMS error and 1-core speed (best of 3) per kind and block size (CPU, ``n`` elements)."""
+    x = pseudo_gradient(n, torch.device("cpu"), seed=1)
     norm = float(x.double().norm())
     table: dict[str, dict[str, float]] = {}
     print(f"{'kind':>5} {'block':>5} {'bytes/fp32':>10} {'rel. RMS err':>12} {'GB/s 1 core':>11}")
@@ -176,7 +176,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions (median)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--block", type=int, default=quant.DEFAULT_BLOCK, help="elements per scale")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (1 MiB, 1 repetition): checks the benchmark runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.mib, args.repeat = 1, 1
     quant.check_block(args.block)
     torch.set_num_threads(1)  # the CPU figures are per core
     result: dict[str, object] = {
@@ -184,7 +187,7 @@ def main() -> None:
         "q4_bytes_vs_fp32": round(quant.wire_nbytes("q4", 1 << 20, args.block) / (4 << 20), 5),
         "int8_bytes_vs_fp32": round(quant.wire_nbytes("int8", 1 << 20, args.block) / (4 << 20), 5),
     }
-    result.update(bench_quality(args.block))
+    result.update(bench_quality(args.block, 1 << 16 if args.smoke else 1 << 22))
     result.update(bench_throughput(torch.device("cpu"), args.mib, args.repeat, args.block))
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -157,7 +157,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reuse-baselines", action="store_true",
                    help="take alone and dp-bound from a previous run with the same settings (tuning)")
     p.add_argument("--out", default="runs/bench_quality", help="output directory, overwritten (default %(default)s)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run (8 steps, H 4, 2 fragments, 16 x 2 layers, 1 repeat): checks the benchmark runs, "
+                        "its figures mean nothing")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.steps, a.sync_every, a.fragments, a.hidden, a.layers, a.repeats = 8, 4, 2, 16, 2, 1
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = DemoSettings(islands=2, layouts=("tp1",), steps=a.steps, sync_every=a.sync_every, fragments=a.fragments,
                         outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, lr=a.lr, hidden=a.hidden,
