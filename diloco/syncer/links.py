@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from diloco.protocol.schedule import Schedule
 from diloco.wire import Heartbeat, Progress, bcast_dtype
 from diloco.wire.rates import RateMeter
 
@@ -106,7 +107,7 @@ def predict_fit(fragment_elems: int, push_dtype: str, up_bytes_s: float, down_by
 
     up, down = times(push_dtype)
     q4_up, q4_down = times("q4")
-    window = sync_every / n_fragments * step_s
+    window = Schedule(sync_every, n_fragments).spacing_steps * step_s
     need = _round_up_2sig((up + down) * n_fragments / step_s)
     return RoundFit(up_s=up, down_s=down, window_s=window, fits=up + down <= window,
                     need_sync_every=max(need, sync_every) if up + down > window else sync_every,
