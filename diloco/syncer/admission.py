@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from typing import TYPE_CHECKING
 
 
@@ -46,6 +47,8 @@ class Admission(StateFields):
     """HELLO, INIT and the session checks (methods of ``SyncerState``)."""
 
     gate: Gate
+    proven: set[int]
+    refused_by: Counter[str]
     sender_key: str = ""
     """Z85 Curve public key of the message being handled (set by the loop; empty outside Curve mode)."""
 
@@ -89,6 +92,7 @@ class Admission(StateFields):
         """An accepted message of the island's connection: alive, and its sequence number taken."""
         rec.last_seen = now
         rec.recv_seq = msg.seq
+        self.proven.add(rec.island)  # a HELLO alone is not membership (``laggards.ready``)
         if not rec.alive:
             rec.alive = True
             rec.cut_sent = False
@@ -124,6 +128,9 @@ class Admission(StateFields):
         if h.generation < 0:
             raise Refused("bad_generation", f"generation {h.generation} < 0")
         if not self.gate.allow_hello(self.sender_key.encode() or peer, now):
+            # Counted, not answered and logged at DEBUG only: a flood must cost neither sends nor log lines.
+            self.refusals += 1
+            self.refused_by["hello_rate"] += 1
             raise Refused("hello_rate", f"HELLOs from this sender faster than {self.gate.rate}/s", quiet=True)
         # A client says HELLO once per connection, under a fresh generation: a second HELLO of
         # one generation is a replay, and the replayer gets nothing (not even an ERROR).
@@ -169,6 +176,7 @@ class Admission(StateFields):
 
         # --- accepted: mutate from here on
         self.hellos_seen.add((h.island, h.generation))
+        self.proven.discard(h.island)
         self.gate.bind(h.island, self.sender_key)
         if self.fingerprint is None:
             self.fingerprint = h.fingerprint

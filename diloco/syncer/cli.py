@@ -23,9 +23,11 @@ from diloco.security import ServerCurve
 from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
+from diloco.syncer.gate import read_allow_list
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
 from diloco.syncer.state import SyncerState
+from diloco.syncer.resume import ResumeError, choose
 from diloco.syncer.store import CheckpointStore
 
 log = logging.getLogger("diloco.syncer")
@@ -53,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total-steps", type=int, default=0, help="last inner step (0: finalize when islands report done)")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint directory (none: no checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N commits (0: final only)")
-    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the newest checkpoint in --checkpoint-dir that verifies (checksums, finite)")
+    p.add_argument("--resume-with-new-settings", action="store_true",
+                   help="resume even though --outer-lr/--outer-momentum/--sync-every/--weighting differ from the "
+                        "checkpoint's (each change is logged)")
     p.add_argument("--key-file", default=None, help=f"file holding the shared HMAC key (else env {KEY_ENV})")
     p.add_argument("--curve-secret-file", default=None,
                    help="the syncer's CurveZMQ secret certificate (yeto-keys generate); needs --curve-clients-dir")
@@ -81,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-refusals", type=int, default=5,
                    help="an island whose pushes are refused this many times in a row leaves the rounds until it "
                         "says HELLO again")
+    p.add_argument("--island-keys", default=None,
+                   help="Curve mode: file of 'ID = PUBLIC-KEY' lines binding island ids to keys (default: first use)")
+    p.add_argument("--max-tokens-per-step", type=int, default=1 << 24,
+                   help="tokens one local step may claim; a push's tokens are clamped to this x its local steps")
+    p.add_argument("--max-weight-factor", type=float, default=4.0,
+                   help="a push weighs at most this x the median weight of the round's other pushes")
+    p.add_argument("--norm-refuse-factor", type=float, default=64.0,
+                   help="an fp32 push part whose RMS exceeds this x the fragment's reference RMS is refused")
     p.add_argument("--max-open-rounds", type=int, default=2,
                    help="rounds open at once (each holds one fragment's running sum); a further round opens "
                         "once one commits")
@@ -114,6 +128,18 @@ def _part_elems(part_mib: float) -> int:
     if not elems == elems or elems <= 0 or elems != int(elems):
         raise ConfigError(f"--part-mib: must be a positive multiple of 1/64 MiB, got {part_mib}")
     return int(elems)
+
+
+def _island_keys(args: argparse.Namespace) -> tuple[tuple[int, str], ...]:
+    """``--island-keys`` read and checked (Curve mode only); () without it."""
+    if args.island_keys is None:
+        return ()
+    if not args.curve_clients_dir:
+        raise ConfigError("--island-keys: needs Curve mode (--curve-secret-file and --curve-clients-dir)")
+    try:
+        return tuple(sorted(read_allow_list(args.island_keys, args.islands).items()))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _read_key(key_file: str | None) -> bytes:
@@ -178,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             quant_block=args.quant_block,
             max_refusals=args.max_refusals,
             max_open_rounds=args.max_open_rounds,
+            island_keys=_island_keys(args),
+            max_tokens_per_step=args.max_tokens_per_step,
+            weight_factor=args.max_weight_factor,
+            norm_hard_factor=args.norm_refuse_factor,
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
@@ -216,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
     snapshot = None
     if args.resume and store is not None:
-        found = store.load_latest()
-        if found is None:
-            log.error("--resume: no complete checkpoint in %s", args.checkpoint_dir)
+        try:
+            path, snapshot = choose(store, config, args.resume_with_new_settings)
+        except ResumeError as e:
+            log.error("%s", e)
             return EXIT_CONFIG
-        path, snapshot = found
         log.info("resuming from %s", path)
     try:
         state = SyncerState(config, snapshot=snapshot)

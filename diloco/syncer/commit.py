@@ -69,23 +69,17 @@ class Merge(StateFields):
         """Close, wait, or drop the attempt (docs/PROTOCOL.md, "Quorum").
 
         A push that has started streaming is already in the running sum and cannot be
-        taken out again: while it keeps sending parts the round waits for it; if it
-        stalls (no part for ``--dead-after-s``), the whole attempt is dropped."""
-        if r.closed:
-            return
+        taken out again: while it keeps sending parts the round waits for it. Stalls and
+        members silent past the quorum timeout are dropped first (``laggards.py``)."""
+        if r.closed or self._drop_laggards(r, now, out):
+            return  # a stalled push or the quorum timeout restarted the attempt (laggards.py)
         k = self.config.effective_quorum
         complete = sum(p.complete for p in r.pushes.values())
         partial = [p for p in r.pushes.values() if not p.complete]
-        stalled = [p for p in partial if now - p.last_part_at > self.config.dead_after_s]
-        if stalled:
-            self._restart_attempt(r, now, out, f"the push of island {stalled[0].island} stalled mid-stream")
-        elif r.members and complete == len(r.members):
+        if r.members and complete == len(r.members):
             r.closed = True
         elif complete >= k and r.grace_deadline is not None and now >= r.grace_deadline and not partial:
             r.closed = True
-        elif complete < k and not partial and now - r.attempt_started >= self.config.quorum_timeout_s:
-            self._restart_attempt(r, now, out, f"{complete}/{len(r.members)} pushes after "
-                                               f"{now - r.attempt_started:.1f}s, quorum {k}", resend=True)
 
     def _start_commits(self, now: float, out: list[Out]) -> None:
         """Start every commit that may start: commits *start* in round order (a closed round waits

@@ -89,15 +89,16 @@ class SyncerConfig:
     island_keys: tuple[tuple[int, str], ...] = ()
     """Curve mode: fixed ``(island id, Z85 public key)`` bindings (``--island-keys``); empty: first use."""
     max_tokens_per_step: int = 1 << 24
-    """Tokens one local step may claim; a push's tokens are clamped to it times its (clamped) local steps."""
+    """Tokens one local step may claim; a push's tokens are clamped to it times its (clamped) local steps
+    (``--max-tokens-per-step``)."""
     max_steps_factor: int = 4
     """A push's local steps are clamped to this many times H (``--sync-every``)."""
     weight_factor: float = 4.0
     """A push weighs at most this many times the median weight of the round's other pushes (or of the
-    fragment's previous round)."""
+    fragment's previous round) (``--max-weight-factor``)."""
     norm_hard_factor: float = 64.0
     """An fp32 push part whose RMS is above this many times the fragment's reference RMS (the median
-    of the previous round) is refused (``robust.py``)."""
+    of the previous round) is refused (``robust.py``, ``--norm-refuse-factor``)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:
@@ -137,7 +138,7 @@ class SyncerConfig:
         need(self.max_steps_factor >= 1, "max_steps_factor", f"must be >= 1, got {self.max_steps_factor}")
         need(math.isfinite(self.weight_factor) and self.weight_factor >= 1, "--max-weight-factor",
              f"must be >= 1, got {self.weight_factor}")
-        need(math.isfinite(self.norm_hard_factor) and self.norm_hard_factor >= 1, "norm_hard_factor",
+        need(math.isfinite(self.norm_hard_factor) and self.norm_hard_factor >= 1, "--norm-refuse-factor",
              f"must be >= 1, got {self.norm_hard_factor}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 

@@ -47,6 +47,9 @@ class Recovery(StateFields):
     reference: Reference
     gate: Gate
 
+    if TYPE_CHECKING:
+        def _attempt_members(self, r: RoundRecord, ready: frozenset[int]) -> frozenset[int]: ...
+
     def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float) -> None:
         """The loop could not deliver a message to ``peer`` (a send error: the peer is gone, or
         reconnected under the same routing id, or its queue is full).
@@ -135,8 +138,8 @@ class Recovery(StateFields):
         An island that has the value ignores the replay."""
         if r.sum is not None:
             r.sum.void = True
-        members = frozenset(i.island for i in self.live()
-                            if i.cut_sent and not i.evicted and i.island not in self.reference.benched)
+        members = self._attempt_members(r, frozenset(i.island for i in self.ready()
+                                                     if i.island not in self.reference.benched))
         if self.reference.benched:
             log.warning("round %d: islands %s left out of the next attempt (their part was refused)", r.round,
                         sorted(self.reference.benched))

@@ -37,7 +37,7 @@ class RoundClock(StateFields):
         opens rounds; once every island finished, one flush round per fragment."""
         if not self.initialised:
             return
-        ready = [i for i in self.live() if i.cut_sent and not i.evicted]
+        ready = self.ready()  # a HELLO alone is not membership (laggards.py)
         if not ready:
             return
         members = frozenset(i.island for i in ready)

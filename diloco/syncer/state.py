@@ -35,6 +35,7 @@ from diloco.outer import OuterHyper, push_weight
 from diloco.protocol.schedule import Schedule
 from diloco.syncer.admission import Admission
 from diloco.syncer.gate import Gate
+from diloco.syncer.laggards import Laggards
 from diloco.syncer.robust import Reference
 from diloco.syncer.robustrules import RobustRules
 from diloco.syncer.book import FragmentBook
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 Out = Outgoing | OutStream
 
 
-class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules):
+class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards):
     """All syncer state and the transitions between states.
 
     Args:
@@ -132,6 +133,9 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules):
         self.gate = Gate(dict(config.island_keys) if config.island_keys else None)
         self.reference = Reference()
         """Robust aggregation: reference norms and weights, per-island tallies (``robust.py``)."""
+        self.laggards: dict[int, frozenset[int]] = {}
+        self.proven: set[int] = set()
+        """Islands dropped per round, and islands that may be members (``laggards.py``)."""
         """Key bindings and HELLO budgets (``gate.py``)."""
         if snapshot is not None:
             self._restore(snapshot)
@@ -187,7 +191,7 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules):
             f"phase={self.phase} next_round={self.next_open} open=[{rounds}] live=[{live}] "
             f"versions={list(self.versions())} commits={self.commits} changed={m['changed_in_training']}"
             f"+{m['changed_in_flush']}/{m['scheduled_rounds']} refusals={self.refusals} "
-            f"commit_s=[{commit_s}] merge={merge}"
+            f"commit_s=[{commit_s}] merge={merge} per_island=[{self.reference.summary()}]"
         )
 
     # ------------------------------------------------------------------ entry points

@@ -4,14 +4,18 @@ Layout (docs/PROTOCOL.md, "Checkpoint")::
 
     DIR/ckpt-00000042/values.safetensors     fp32 global values, one flat tensor per fragment, key "<fragment>"
     DIR/ckpt-00000042/momentum.safetensors   fp32 outer momentum, same keys
-    DIR/ckpt-00000042/manifest.json          fingerprint, versions, schemas, next round, ledgers, hyper
+    DIR/ckpt-00000042/manifest.json          fingerprint, versions, schemas, next round, ledgers, hyper,
+                                             per-tensor xxh3-64 checksums, settings (``ckptcheck.py``)
     DIR/latest                               "ckpt-00000042\n"
 
 Why this way: a crash at any moment must leave a loadable checkpoint. Each one is
 written into a temporary directory, fsynced and renamed into place with one
 ``os.replace``; only then is ``latest`` replaced (also a rename). A reader that
 finds ``latest`` missing or pointing at a broken directory falls back to the
-newest directory whose manifest and files validate. Nothing is ever pickled:
+newest directory whose manifest and files validate. Loading verifies every tensor
+against its checksum and refuses a non-finite value, so a flipped bit or a NaN makes the
+reader fall back to an older checkpoint (:attr:`CheckpointStore.skipped` says which and
+why) instead of resuming from it. Nothing is ever pickled:
 safetensors holds raw tensors, the manifest is plain JSON (its schema names and
 shapes each fragment's tensors within the flat stream).
 
@@ -34,11 +38,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from diloco.syncer.ckptcheck import check_settings, checksum, settings_of, verify_tensor
 from diloco.syncer.records import FragmentSnapshot, Snapshot, TensorSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT = "yeto-syncer-checkpoint/2"
+FORMAT = "yeto-syncer-checkpoint/3"
+"""/3: per-tensor checksums and the settings block (older checkpoints carry neither and are refused)."""
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
 _MAX_MANIFEST_BYTES = 64 << 20
 
@@ -91,6 +97,8 @@ class CheckpointStore:
         self.root = Path(root)
         self.keep = max(1, keep)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.skipped: list[tuple[Path, str]] = []
+        """Checkpoints the last :meth:`load_latest` did not use, newest first, with the reason."""
         # A write killed half-way leaves its temporary directory behind: clean those at start.
         for stale in self.root.glob(".tmp-ckpt-*"):
             log.warning("removing %s left by an interrupted checkpoint write", stale)
@@ -127,7 +135,11 @@ class CheckpointStore:
             )
         _write_safetensors(tmp / "values.safetensors", values)
         _write_safetensors(tmp / "momentum.safetensors", momentum)
+        numels = [int(fs.value.numel()) for fs in snap.fragments]
         manifest = {
+            "checksums": {"values": [checksum(fs.value) for fs in snap.fragments],
+                          "momentum": [checksum(fs.momentum) for fs in snap.fragments]},
+            "settings": settings_of(snap.fingerprint, numels, snap.hyper),
             "format": FORMAT,
             "fingerprint": snap.fingerprint,
             "n_fragments": snap.n_fragments,
@@ -177,14 +189,18 @@ class CheckpointStore:
         return None
 
     def load_latest(self) -> tuple[Path, Snapshot] | None:
-        """Load the newest checkpoint that fully validates (manifest and tensors), or None."""
+        """Load the newest checkpoint that fully verifies (manifest, checksums, finite tensors), or None;
+        the ones passed over are in :attr:`skipped` with the reason."""
+        self.skipped = []
         for path in self._candidates():
             try:
                 return path, self.load(path)
             except CheckpointError as e:
-                log.warning("skipping checkpoint %s: %s", path, e)
+                why = str(e)
             except Exception as e:  # safetensors raises its own errors on torn files
-                log.warning("skipping checkpoint %s: unreadable tensors: %s", path, e)
+                why = f"unreadable tensors: {type(e).__name__}: {e}"
+            log.warning("skipping checkpoint %s: %s", path, why)
+            self.skipped.append((path, why))
         return None
 
     @staticmethod
@@ -200,7 +216,14 @@ class CheckpointStore:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"manifest unreadable: {e}") from e
         if not isinstance(man, dict) or man.get("format") != FORMAT:
-            raise CheckpointError(f"manifest format is not {FORMAT}")
+            raise CheckpointError(f"manifest format is {str(man.get('format'))[:40]!r}, not {FORMAT} (an older "
+                                  f"checkpoint without checksums, or not a checkpoint)")
+        sums = man.get("checksums")
+        if not isinstance(sums, dict) or any(
+            not isinstance(sums.get(w), list) or len(sums[w]) != man.get("n_fragments")
+            or not all(isinstance(x, str) for x in sums[w]) for w in ("values", "momentum")
+        ):
+            raise CheckpointError("checksums missing or malformed")
         fp, nf, nr = man.get("fingerprint"), man.get("n_fragments"), man.get("next_round")
         frags, ledgers = man.get("fragments"), man.get("ledgers")
         if not isinstance(fp, str) or not fp:
@@ -232,6 +255,10 @@ class CheckpointStore:
                     or not all(type(s) is int and s >= 0 for s in spec[2])
                 ):
                     raise CheckpointError(f"fragment {i}: bad tensor spec {str(spec)[:80]}")
+        numels = [sum(math.prod(spec[2]) for spec in fr["schema"]) for fr in frags]
+        problem = check_settings(man.get("settings"), fp, numels)
+        if problem:
+            raise CheckpointError(problem)
         return man
 
     def load(self, path: str | os.PathLike[str]) -> Snapshot:
@@ -256,6 +283,9 @@ class CheckpointStore:
                     raise CheckpointError(f"{which}: fragment {key!r} missing")
                 if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
                     raise CheckpointError(f"{which}: fragment {key} is {t.dtype} {tuple(t.shape)}, manifest says ({numel},)")
+                problem = verify_tensor(f"{which}.safetensors fragment {key}", t, man["checksums"][which][idx])
+                if problem:
+                    raise CheckpointError(problem)
                 flat[which] = t
             frags.append(FragmentSnapshot(fr["version"], schema, flat["values"], flat["momentum"]))
         for which in ("values", "momentum"):

@@ -145,6 +145,9 @@ def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None
         s.a.send(Init(island=0, generation=s.a.generation, fragment=f, n_fragments=P), tensors(s.value[f]))
     for isl in (s.a, s.b):
         assert [isl.expect(Bcast).header.cut for _ in range(P)] == [True] * P
+        isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=0))  # a HELLO is not membership
+    time.sleep(0.2)
+    for isl in (s.a, s.b):
         isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=1))
     for isl in (s.a, s.b):
         assert isl.expect(Pull).header == Pull(fragment=0, round=1, attempt=0)

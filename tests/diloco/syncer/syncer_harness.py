@@ -15,8 +15,8 @@ import msgspec
 
 from diloco.security import ClientCurve, secure_client
 from tests.support.syncer_proc import SyncerProc  # noqa: F401  (re-exported: the syncer tests import it from here)
-from diloco.wire import (DEFAULT_PART_ELEMS, Bcast, Final, FragmentLayout, Heartbeat, Init, Message, Opened, Push,
-                         Welcome, encode, open_message)
+from diloco.wire import (DEFAULT_PART_ELEMS, Bcast, Final, FragmentLayout, Heartbeat, Init, Message, Opened, Progress,
+                         Push, Welcome, encode, open_message)
 
 
 class Island:
@@ -107,7 +107,7 @@ class Island:
             self.received.append([f.bytes for f in frames])
             opened = open_message(frames, key=self.key)
             h = opened.header
-            if isinstance(h, Heartbeat):
+            if isinstance(h, (Heartbeat, Progress)):  # replies and periodic notices, not protocol steps
                 continue
             if isinstance(h, Welcome):
                 self.part_elems = h.part_elems

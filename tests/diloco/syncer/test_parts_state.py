@@ -73,6 +73,8 @@ def started(cfg: SyncerConfig = CFG) -> Driver:
         d.send(peer(i), hello(i, numel=(NUMEL,)))
     d.send_all(peer(0), init_parts(0, 1, tensors(0), E, generation=GEN[0]))
     assert d.st.initialised and d.st.fragments[0].layout.n_parts(E) == N_PARTS
+    for i in range(1, cfg.islands):  # a HELLO alone is not membership: islands heartbeat after WELCOME
+        d.send(peer(i), hb(i, 0))
     return d
 
 
@@ -250,17 +252,23 @@ def test_stalled_push_drops_the_attempt_and_late_parts_are_refused(caplog) -> No
     r = d.st.rounds[1]
     assert r.attempt == 1 and r.pushes == {} and r.sum is None and old_sum.void and not r.closed
     assert {o.header for o in of(out, Pull)} == {Pull(fragment=0, round=1, attempt=1)}
-    assert sorted(o.peer for o in of(out, Pull)) == [peer(0), peer(1), peer(2)]
-    assert d.st.versions() == (0,) and not d.st.events and bitwise(frag_state(d)[0], v0)
+    # Liveness means progress: the staller is dropped from this round (laggards.py), the others re-push.
+    assert sorted(o.peer for o in of(out, Pull)) == [peer(0), peer(2)] and r.members == frozenset({0, 2})
+    assert d.st.versions() == (0,) and bitwise(frag_state(d)[0], v0)
+    assert [e["dropped_islands"] for e in d.st.events] == [[1]] and d.st.reference.tally[1]["lagged"] == 1
     # The stalled push's remaining parts belong to the dropped attempt: dropped quietly.
     before = fingerprint(d)
     assert errors(d.send(peer(1), *pushes(1, 1)[3], now=33.0)) == []
     assert fingerprint(d) == before
-    for i in range(3):
+    assert errors(d.send(peer(1), *pushes(1, 1, attempt=1)[0], now=33.5)) == ["not_member"]
+    for i in (0, 2):
         d.send_all(peer(i), pushes(i, 1, attempt=1, t=delta(i, 7)), now=34.0)
     ev = d.st.events[-1]
-    assert ev["attempt"] == 1 and d.st.versions() == (1,)
-    check_commit(d, v0, m0, {i: delta(i, 7) for i in range(3)}, ev)
+    assert ev["attempt"] == 1 and d.st.versions() == (1,) and ev["pushed"] == [0, 2]
+    check_commit(d, v0, m0, {i: delta(i, 7) for i in (0, 2)}, ev)
+    # The dropped island is a member of the next round again.
+    open_round(d, 2, now=35.0)
+    assert d.st.rounds[2].members == frozenset({0, 1, 2})
 
 
 # ---------------------------------------------------------------- (c) data-plane refusals void the attempt
@@ -376,6 +384,7 @@ def test_rounds_follow_the_slower_island_then_one_flush_round_per_fragment(total
         d.send(peer(i), hello(i, n=2))
     for f in range(2):
         d.send_all(peer(0), init_parts(f, 2, tensors(f, schema=small[f]), E, generation=GEN[0]))
+    d.send(peer(1), hb(1, 0))  # a HELLO alone is not membership
     assert d.st.scheduled_rounds == (4 if total_steps else 0)
 
     def push_round(rnd: int, f: int, steps: dict[int, int], now: float) -> list:

@@ -89,6 +89,8 @@ def started(cfg: SyncerConfig = CFG, dtype: str = "float32") -> Driver:
         d.send(peer(i), hello(i, GEN[i], dtype=dtype), now=0.0)
     d.send_all(peer(0), inits(0) + inits(1), 0.0)
     assert d.st.initialised
+    for i in range(1, cfg.islands):  # a HELLO alone is not membership: islands heartbeat after WELCOME
+        d.send(peer(i), hb(i, 0), now=0.0)
     return d
 
 
@@ -311,6 +313,8 @@ def test_bf16_pushes_upcast_bitwise() -> None:
         d.send(peer(i), hello(i, GEN[i], dtype="bfloat16"))
     out = d.send_all(peer(0), inits(0) + inits(1))
     assert {o.wire_dtype for o in streams(out)} == {"bfloat16"} and len(streams(out)) == 6
+    for i in (1, 2):
+        d.send(peer(i), hb(i, 0))
     open_round1(d)
     v0, m0 = value(d, 0), momentum(d, 0)
     deltas = {i: delta(0, i, torch.bfloat16) for i in range(3)}
@@ -399,7 +403,7 @@ def test_resume_from_checkpoint_round_trip(tmp_path) -> None:
     path = store.save(st.snapshot())
     st.release_snapshot()
     assert (tmp_path / "latest").read_text().strip() == path.name
-    assert json.loads((path / "manifest.json").read_text())["format"] == FORMAT == "yeto-syncer-checkpoint/2"
+    assert json.loads((path / "manifest.json").read_text())["format"] == FORMAT == "yeto-syncer-checkpoint/3"
     # A torn newer checkpoint (no manifest) is skipped.
     (tmp_path / "ckpt-00000009").mkdir()
     found = store.load_latest()
@@ -418,6 +422,7 @@ def test_resume_from_checkpoint_round_trip(tmp_path) -> None:
     assert errors(d2.send(peer(1), hello(1, 2, fp="x"))) == ["fingerprint_mismatch"]
     # The resumed syncer carries on: round 2 (fragment 1) commits from the restored value.
     d2.send(peer(1), hello(1, 3))
+    d2.send(peer(1), hb(1, 0, gen=3))  # a HELLO alone is not membership
     v0, m0 = value(d2, 1), momentum(d2, 1)
     d2.send(peer(0), hb(0, 4, gen=1), now=1.0)
     d2.send(peer(1), hb(1, 4, gen=3), now=1.0)

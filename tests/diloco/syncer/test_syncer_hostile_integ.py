@@ -81,9 +81,11 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
                         r"unknown_island: island 5", r"fingerprint_mismatch"):
             wait_log(syncer, pattern)
 
-        # ---- round 1 (fragment 0) opens at step 1
-        for isl in (a, b):
-            isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=1))
+        # ---- round 1 (fragment 0) opens at step 1 (a HELLO alone is not membership: step 0 first)
+        for step in (0, 1):
+            for isl in (a, b):
+                isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=step))
+            time.sleep(0.2)
         for isl in (a, b):
             assert isl.expect(Pull).header == Pull(fragment=0, round=1, attempt=0)
 

@@ -60,6 +60,9 @@ def test_twenty_rounds_three_islands_bitwise(tmp_path) -> None:
             assert np.array_equal(got[1].tensors[0][1].float().numpy(),
                                   torch.from_numpy(value[1][0]).to(torch.__dict__[isl.wire_dtype]).float().numpy())
 
+        for isl in islands:  # a HELLO alone is not membership: islands heartbeat after WELCOME
+            isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=0))
+        time.sleep(0.3)
         versions = [0] * P
         for step in range(1, 21):
             for isl in islands:

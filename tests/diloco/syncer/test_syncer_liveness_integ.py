@@ -69,8 +69,10 @@ def test_heartbeats_answered_while_a_large_round_commits(tmp_path, monkeypatch) 
 
         t = threading.Thread(target=ping, daemon=True)
         t.start()
-        for isl in islands[:2]:
-            isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=1))
+        for step in (0, 1):  # a HELLO alone is not membership: step 0 first
+            for isl in islands[:2]:
+                isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=step))
+            time.sleep(0.2)
         deltas = []
         for isl in islands[:2]:
             pull = isl.expect(Pull, strict=False).header
