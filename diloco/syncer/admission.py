@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco.syncer.state")
 
 MAX_FINGERPRINT_CHARS = 256
+HELLOS_REMEMBERED = 256
+"""(island, generation) pairs remembered per island id for replay detection (and retired generations
+kept per island): fixed memory whatever the number of HELLOs."""
 
 
 class Admission(StateFields):
@@ -175,7 +178,9 @@ class Admission(StateFields):
             raise Refused("key_not_owner", problem)
 
         # --- accepted: mutate from here on
-        self.hellos_seen.add((h.island, h.generation))
+        self.hellos_seen[(h.island, h.generation)] = None
+        while len(self.hellos_seen) > HELLOS_REMEMBERED * cfg.islands:
+            del self.hellos_seen[next(iter(self.hellos_seen))]
         self.proven.discard(h.island)
         self.gate.bind(h.island, self.sender_key)
         if self.fingerprint is None:
@@ -184,6 +189,8 @@ class Admission(StateFields):
             log.info("layout fixed by island %d: fingerprint %s, %d fragments", h.island, h.fingerprint, h.n_fragments)
         if rec.bound and rec.generation != h.generation:
             rec.retired_generations.add(rec.generation)
+            while len(rec.retired_generations) > HELLOS_REMEMBERED:
+                rec.retired_generations.pop()
             log.info("island %d reconnected: generation %d replaces %d", h.island, h.generation, rec.generation)
             # A push the old connection left half-sent is in the running sum and its last parts
             # will never come: drop that attempt now (not after --dead-after-s) and pull again;
@@ -211,7 +218,9 @@ class Admission(StateFields):
         # may have lost its copy; replays of one version are ignored client side.
         rec.cut_sent = False
         rec.last_seen = now
-        self.peers.pop(rec.peer, None)
+        if rec.peer and rec.peer != peer and self.peers.pop(rec.peer, None) is not None:
+            # The old connection's cut and broadcasts are cancelled (at most one cut in flight per island).
+            self.superseded.append(rec.peer)
         rec.peer = peer
         self.peers[peer] = h.island
         rec.nonce = random.getrandbits(63) or 1

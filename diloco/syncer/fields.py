@@ -49,7 +49,8 @@ class StateFields:
     work: list[Work]
     pinned: set[int]
     peers: dict[bytes, int]
-    hellos_seen: set[tuple[int, int]]
+    hellos_seen: dict[tuple[int, int], None]
+    superseded: list[bytes]
     final_expected: frozenset[int]
     final_resend_at: float
 

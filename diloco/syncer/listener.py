@@ -35,6 +35,15 @@ SYNCER_LIMITS = Limits(max_header_bytes=1 << 20, max_chunk_bytes=1 << 20)
 """The syncer's default wire limits: 1 MiB chunks and headers keep every pre-authentication frame small."""
 
 
+def user_id(frame: Any) -> str:
+    """The ZAP User-Id of a received frame (Curve mode: the client key, Z85, which owns the island id
+    it claims; ``gate.py``), or "" when it has none."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
 def frame_limit(limits: Limits) -> int:
     """``ZMQ_MAXMSGSIZE`` of the syncer's socket for ``limits``."""
     return max(limits.max_chunk_bytes, limits.max_header_bytes) + FRAME_SLACK

@@ -56,7 +56,7 @@ from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
 from diloco.syncer.links import LinkWatch
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
-from diloco.syncer.listener import SYNCER_LIMITS, open_listener
+from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
@@ -108,15 +108,6 @@ class LoopOptions:
     status_every_s: float = 2.0
     event_log: str | None = None
     curve: ServerCurve | None = None
-
-
-def _user_id(frame: Any) -> str:
-    """The ZAP User-Id of a received frame (Curve mode: the client key, Z85, which owns the island id
-    it claims; ``gate.py``), or "" when it has none."""
-    try:
-        return str(frame.get("User-Id"))
-    except (zmq.ZMQError, UnicodeDecodeError):
-        return ""
 
 
 class SyncerLoop:
@@ -240,7 +231,7 @@ class SyncerLoop:
             self.wire_refusals += 1
             log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
             return []
-        self.state.sender_key = _user_id(frames[1]) if self._keyed_ids else ""
+        self.state.sender_key = user_id(frames[1]) if self._keyed_ids else ""
         self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now,
                               opened.header)
         try:
@@ -357,6 +348,9 @@ class SyncerLoop:
         self._tracked = still
 
     def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
+        superseded, self.state.superseded = self.state.superseded, []
+        for peer in superseded:  # a new HELLO of the island: its old connection's cut and streams end
+            self._pacer.drop(peer, "superseded by a new HELLO of its island")
         for o in outgoing:
             if self._fault(o):
                 continue

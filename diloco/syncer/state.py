@@ -126,8 +126,11 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards)
         """Chunk-digest seed of the payloads we encode (``wire.digest_seed`` of the key; the loop sets it)."""
         self.peers: dict[bytes, int] = {}
         """Routing id -> island of every current binding (to stamp what we send)."""
-        self.hellos_seen: set[tuple[int, int]] = set()
-        """(island, generation) of every authenticated HELLO: a second one is a replay."""
+        self.hellos_seen: dict[tuple[int, int], None] = {}
+        """(island, generation) of recent authenticated HELLOs, oldest first: a second one is a replay
+        (at most ``admission.HELLOS_REMEMBERED`` per island)."""
+        self.superseded: list[bytes] = []
+        """Routing ids replaced by a new HELLO of their island: the loop drops their streams."""
         self.dropped = 0
         """Messages refused silently (replays, foreign routing ids)."""
         self.gate = Gate(dict(config.island_keys) if config.island_keys else None)
