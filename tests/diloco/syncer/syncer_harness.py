@@ -210,7 +210,7 @@ def commit_event(events_path: Path, round_: int, timeout_s: float = 10.0) -> dic
         if events_path.exists():
             for line in events_path.read_text().splitlines():
                 ev = json.loads(line)
-                if ev.get("round") == round_:
+                if ev.get("round") == round_ and "fold_order" in ev:  # the commit, not a clamp or a drop
                     return ev
         if time.monotonic() > deadline:
             raise TimeoutError(f"no commit event for round {round_}")
