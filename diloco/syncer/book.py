@@ -18,6 +18,8 @@ mmap threshold they are their own mappings, so a freed fragment buffer goes back
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ from diloco.syncer.records import FragmentRecord
 from diloco.wire import HostBufferPool
 
 log = logging.getLogger(__name__)
+
+OVER_BUDGET_WAIT_S = 30.0
+"""Longest a round waits to open for superseded fragment buffers to be let go (``rounds._sum_fits``)."""
 
 IDLE_PARTS = 4
 """Idle buffers the pool keeps, in parts (``--part-mib`` each): a freed fragment-sized buffer is freed."""
@@ -46,17 +51,52 @@ class FragmentBook:
         self.pool = pool
         self.pool.max_idle_bytes = IDLE_PARTS * config.part_elems * 4
         self._logged = False
+        self._lock = threading.Lock()
+        self.live_bytes = 0
+        """Bytes of fragment-sized buffers (values, sums, momenta) alive now, whoever holds them:
+        a buffer counts until the last tensor over it dies (a stream or checkpoint may outlive
+        the state's own reference)."""
+        self.live_buffers = 0
+        self.peak_bytes = 0
 
     def fresh(self, numel: int, what: str = "") -> torch.Tensor:
-        """An uninitialised flat fp32 buffer of ``numel`` elements (a value or a sum)."""
-        return self.pool.empty((numel,), torch.float32)
+        """An uninitialised flat fp32 buffer of ``numel`` elements (a value or a sum), never pooled:
+        its own mapping, given back to the OS when its last tensor dies (counted in ``live_bytes``)."""
+        return self._track(np.empty(numel, dtype=np.float32))
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a flat fp32 buffer allocated elsewhere (a resumed checkpoint's) until ``t`` dies."""
+        nbytes = t.numel() * 4
+        with self._lock:
+            self.live_bytes += nbytes
+            self.live_buffers += 1
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        fin = weakref.finalize(t, self._freed, nbytes)
+        fin.atexit = False
+        return t
+
+    def _track(self, base: np.ndarray) -> torch.Tensor:
+        nbytes = base.nbytes
+        with self._lock:
+            self.live_bytes += nbytes
+            self.live_buffers += 1
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        handle = base[:]  # the tensor's storage keeps this view alive: its death means "no tensor uses it"
+        fin = weakref.finalize(handle, self._freed, nbytes)
+        fin.atexit = False
+        return torch.from_numpy(handle)
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes -= nbytes
+            self.live_buffers -= 1
 
     def ensure_momentum(self, frag: FragmentRecord) -> None:
         """Give ``frag`` its zero momentum if it has none (the first commit with momentum > 0)."""
         if frag.momentum is not None:
             return
         assert frag.layout is not None
-        frag.momentum = zeros(frag.layout.numel)
+        frag.momentum = self._track(np.zeros(frag.layout.numel, dtype=np.float32))
         frag.momentum_absmax = [0.0] * len(frag.value_absmax)
         log.info("fragment %d: momentum allocated (%.1f MiB, zero)", frag.index, frag.layout.numel * 4 / 2**20)
 
@@ -71,6 +111,11 @@ class FragmentBook:
             "sums": min(self.config.max_open_rounds, len(sizes)) * largest,
             "ring": self.pool.max_idle_bytes,
         }
+
+    def limit_bytes(self, fragments: list[FragmentRecord]) -> int:
+        """Most bytes of fragment-sized buffers alive at once: values, momentum, ``--max-open-rounds`` sums."""
+        b = self.budget(fragments)
+        return b["values"] + b["momentum"] + b["sums"]
 
     def log_budget(self, fragments: list[FragmentRecord]) -> None:
         """Log each buffer kind with its size, once every fragment's size is known."""

@@ -9,10 +9,11 @@ the syncer keeps serving without it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
-from diloco.syncer.records import Snapshot
+from diloco.syncer.records import FragmentSnapshot, Snapshot
 from diloco.syncer.store import CheckpointStore
 
 log = logging.getLogger("diloco.syncer.loop")
@@ -26,6 +27,7 @@ class CheckpointWriter:
         self.failed = False
         """The last write raised (logged); the final exit code reports it."""
         self._thread: threading.Thread | None = None
+        self._written: set[int] = set()
 
     @property
     def busy(self) -> bool:
@@ -33,20 +35,34 @@ class CheckpointWriter:
         return self._thread is not None
 
     def start(self, snap: Snapshot) -> None:
-        """Start writing ``snap`` (the caller checked :attr:`busy` is False and a store exists)."""
+        """Start writing ``snap`` (the caller checked :attr:`busy` is False and a store exists).
+
+        The writer holds the snapshot's tensors only until each fragment is on disk: the caller
+        must not keep ``snap`` itself, and learns which fragments are let go from :meth:`take_written`."""
         store = self.store
         assert store is not None and self._thread is None
         self.failed = False
+        frags: list[FragmentSnapshot] = list(snap.fragments)
+        head = dataclasses.replace(snap, fragments=())
+        written = self._written = set()
 
         def write() -> None:
             try:
-                store.save(snap)
+                store.save(head, frags, written.add)
             except Exception:  # noqa: BLE001 - reported through ``failed`` on the loop thread
                 log.exception("checkpoint write failed; the syncer keeps serving without it")
                 self.failed = True
+            finally:
+                frags.clear()
 
         self._thread = threading.Thread(target=write, name="yeto-checkpoint", daemon=True)
         self._thread.start()
+
+    def take_written(self) -> set[int]:
+        """Fragments written since the last call (the loop unpins them: ``SyncerState.unpin``)."""
+        done = set(self._written)  # set.add on the writer thread is atomic; copy, then remove those
+        self._written -= done
+        return done
 
     def reap(self, wait: bool) -> bool:
         """True once when the write in flight has finished (``wait``: wait for it first)."""

@@ -20,12 +20,15 @@ from diloco.syncer.dataplane import CommitPart, FoldPart, Result
 from diloco.syncer.fields import StateFields
 from diloco.syncer.kernels import FLT_MAX, step_bounds
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundRecord
-from diloco.wire import Error, bcast_dtype
+from diloco.wire import Error
 
 if TYPE_CHECKING:
     from diloco.syncer.state import Out
 
 log = logging.getLogger("diloco.syncer.state")
+
+PIN_WAIT_S = 30.0
+"""Longest a commit with momentum waits for the checkpoint in flight to write its fragment."""
 
 
 class Merge(StateFields):
@@ -89,9 +92,25 @@ class Merge(StateFields):
             r = self.rounds[t]
             if r.committing:
                 continue
-            if not r.closed or self.fragments[r.fragment].committing:
+            if not r.closed or self.fragments[r.fragment].committing or self._waits_for_checkpoint(r, now):
                 return
             self._start_commit(r, now, out)
+
+    def _waits_for_checkpoint(self, r: RoundRecord, now: float) -> bool:
+        """With momentum, a commit updates it in place: it waits until the checkpoint in flight has
+        written the fragment (``pinned``), at most :data:`PIN_WAIT_S`; after that it writes the new
+        momentum beside the old one (one more fragment buffer until the checkpoint lets go)."""
+        hyper = self.flush_hyper if r.flush else self.hyper
+        if hyper.momentum <= 0 or r.fragment not in self.pinned:
+            r.pin_wait_since = None
+            return False
+        if r.pin_wait_since is None:
+            r.pin_wait_since = now
+        if now - r.pin_wait_since < PIN_WAIT_S:
+            return True
+        log.warning("round %d: the checkpoint in flight has not written fragment %d after %.0fs; committing "
+                    "with the new momentum beside the old one", r.round, r.fragment, now - r.pin_wait_since)
+        return False
 
     def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
         """Merge a closed round on the data plane, one CommitPart per part."""
@@ -121,7 +140,7 @@ class Merge(StateFields):
             r.new_momentum = self.book.fresh(frag.layout.numel, "momentum beside a pinned one")
         check = not proven or r.new_momentum is not None
         r.commit_failed = None
-        dtypes = tuple(sorted({"float32"} | {bcast_dtype(i.wire_dtype) for i in self.live()}))
+        dtypes = ("float32",)  # views + digests; bf16 parts are encoded per stream on demand (loop.py)
         r.commit_parts_left = n
         r.committing = True
         r.commit_started = now

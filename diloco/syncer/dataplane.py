@@ -10,9 +10,9 @@ payload work to this pool as :class:`Work` items:
 * :class:`InitPart`: verify an INIT part and copy it into the fragment's value;
 * :class:`CommitPart`: the outer Nesterov step on one part, written out of place
   into the sum buffer (which becomes the next published value), then the
-  broadcast payloads of that part are encoded (digests; bf16 conversion);
-* :class:`EncodePart`: encode one part of a value that has no payload yet (a cut
-  after a resume, a bf16 island joining late).
+  fp32 broadcast payload of that part is made (zero-copy views and their digests);
+* :class:`EncodePart`: encode one part of a value that has no payload yet (an fp32 cut
+  after a resume; every bf16 part, on demand as its stream reaches it).
 
 Ordering: work on part ``k`` always runs on worker ``k mod threads``, whose queue is
 FIFO.  So the folds of one part run in the order the loop dispatched them (the
@@ -150,6 +150,9 @@ class EncodePart:
     layout: FragmentLayout
     part_elems: int
     seed: int = 0
+    sink: dict[int, Payload] | None = None
+    """Where the loop puts the payload (one stream's parts, encoded on demand), instead of the
+    shared cache of fp32 parts; None: the cache."""
 
 
 @dataclass

@@ -6,10 +6,11 @@ from diloco.wire import Payload
 
 
 class EncodedCache:
-    """Encoded payload parts per (fragment, version, dtype), shared by every island's stream.
+    """fp32 payload parts per (fragment, version, dtype), shared by every island's stream.
 
-    fp32 parts are zero-copy views of the published value plus digests; bf16 parts are
-    one conversion.  Streams keep their own reference to the part list, so pruning an
+    fp32 parts are zero-copy views of the published value plus their digests, so they cost no
+    memory beyond the value; bf16 parts are never cached (each stream encodes its own parts on
+    demand, ``loop.SyncerLoop._on_demand``).  Streams keep their own reference to the part list, so pruning an
     old version never pulls bytes from under a send in progress.  Holds at most the current
     and the committing version of each fragment (:meth:`prune`)."""
 

@@ -48,6 +48,7 @@ class StateFields:
     events: list[dict[str, Any]]
     work: list[Work]
     pinned: set[int]
+    over_budget_since: float | None
     peers: dict[bytes, int]
     hellos_seen: dict[tuple[int, int], None]
     superseded: list[bytes]

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import zmq
 
@@ -65,6 +65,9 @@ from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
 
+ENCODE_AHEAD = 2
+"""Parts of a bf16 stream encoded ahead of the one being sent (each held until the stream passes it)."""
+
 EXIT_OK = 0
 EXIT_FINAL_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -83,10 +86,11 @@ class LoopOptions:
         poll_ms: poll timeout when nothing is being streamed; bounds how late ``tick`` runs.
         max_batch: messages handled per iteration before ``tick`` and sends.
         sndhwm: per-peer send queue bound (messages); beyond it sends fail fast.
-        rcvhwm: per-peer receive queue bound (messages) zmq may hold for us.
+        rcvhwm: per-peer receive queue bound (messages, each up to one part) zmq may hold for us.
         window: parts of one stream destination zmq may hold at once (``wire.pacing``).
         data_threads: data-plane workers (``--data-threads``).
-        max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading.
+        max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading;
+            at most one part per data-plane worker whatever this says.
         linger_ms: how long close() may spend flushing SHUTDOWN at exit.
         status_every_s: period of the one-line status log.
         event_log: path of the JSON-lines commit log (None: none).
@@ -100,7 +104,7 @@ class LoopOptions:
     poll_ms: int = 20
     max_batch: int = 64
     sndhwm: int = 1000
-    rcvhwm: int = 2
+    rcvhwm: int = 1
     window: int = 2
     data_threads: int = field(default_factory=default_threads)
     max_backlog_bytes: int = 128 << 20
@@ -190,6 +194,10 @@ class SyncerLoop:
             except queue.Empty:
                 return out
             work = result.work
+            if isinstance(work, EncodePart) and work.sink is not None:
+                if result.payloads:  # a part of one bf16 stream (``_on_demand``)
+                    work.sink[work.part] = result.payloads[work.dtype]
+                continue
             if isinstance(work, (CommitPart, EncodePart)) and result.payloads:
                 frag = self.state.fragments[work.fragment]
                 assert frag.layout is not None
@@ -256,7 +264,8 @@ class SyncerLoop:
             self._reap_writer(wait=True)
 
     def _reap_writer(self, wait: bool) -> None:
-        """Once the writer finished, release the snapshot's pins (on the loop thread)."""
+        """Unpin the fragments the writer has written; once it finished, every pin (on the loop thread)."""
+        self.state.unpin(self._writer.take_written())
         if self._writer.reap(wait):
             self.state.release_snapshot()
 
@@ -282,20 +291,25 @@ class SyncerLoop:
         assert frag.layout is not None
         E = state.config.part_elems
         n = frag.layout.n_parts(E)
-        key = (o.fragment, o.version, o.wire_dtype)
-        parts = self._cache.entries.get(key)
-        if parts is None:
-            if frag.version != o.version or frag.value is None or frag.committing and o.kind == "FINAL":
-                log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
-                return None
-            parts = self._cache.entries[key] = [None] * n
+        payload_of: Callable[[int], Payload | None]
+        parts = self._cache.entries.get((o.fragment, o.version, o.wire_dtype))
+        if parts is not None:
+            payload_of = parts.__getitem__
+        elif frag.version != o.version or frag.value is None or frag.committing and o.kind == "FINAL":
+            log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
+            return None
+        elif o.wire_dtype == "float32":
+            parts = self._cache.entries[(o.fragment, o.version, o.wire_dtype)] = [None] * n
             for k in range(n):
                 self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, E,
                                             self.state.digest_seed))
+            payload_of = parts.__getitem__
+        else:
+            payload_of = self._on_demand(o, frag.value, frag.layout, n)
         key_bytes = self.options.key
 
         def frames_of(k: int) -> list[Any] | None:
-            payload = parts[k]
+            payload = payload_of(k)
             if payload is None:
                 return None
             if o.kind == "BCAST":
@@ -307,6 +321,24 @@ class SyncerLoop:
             return seal(header, payload, key=key_bytes, nonce=nonce, seq=seq)
 
         return Stream(n, frames_of, f"{o.kind} f{o.fragment} v{o.version}")
+
+    def _on_demand(self, o: OutStream, value: Any, layout: Any, n: int) -> Callable[[int], Payload | None]:
+        """Parts of one bf16 stream, encoded on the data plane as the stream reaches them (at most
+        :data:`ENCODE_AHEAD` ahead) and dropped once it moved past them: never a whole fragment's."""
+        ready: dict[int, Payload] = {}
+        asked = [0]
+        E, seed = self.state.config.part_elems, self.state.digest_seed
+
+        def payload_of(k: int) -> Payload | None:
+            for j in [j for j in ready if j < k]:
+                del ready[j]  # sent: zmq holds its frames until they are out
+            while asked[0] < min(n, k + ENCODE_AHEAD):
+                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, asked[0], value, layout, E, seed,
+                                            sink=ready))
+                asked[0] += 1
+            return ready.get(k)
+
+        return payload_of
 
     def _seal_control(self, o: Outgoing) -> list[Any]:
         """Frames of a control message stamped with the peer's session (at send time)."""
@@ -406,6 +438,9 @@ class SyncerLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
+        # Received parts held for the data plane: one per worker plus the one being read, never more
+        # (each is --part-mib; zmq holds at most ``rcvhwm`` more per island).
+        backlog_cap = min(self.options.max_backlog_bytes, self.data.threads * limits.max_message_bytes)
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():
@@ -427,7 +462,7 @@ class SyncerLoop:
                 self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
                 for _ in range(self.options.max_batch):
-                    if self.data.backlog_bytes > self.options.max_backlog_bytes:
+                    if self.data.backlog_bytes > backlog_cap:
                         break  # back-pressure: let the data plane catch up first
                     try:
                         outgoing.extend(self._receive(time.monotonic(), limits))

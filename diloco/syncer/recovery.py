@@ -179,14 +179,20 @@ class Recovery(StateFields):
         """The last :meth:`snapshot` has been written: commits may update momenta in place again."""
         self.pinned.clear()
 
+    def unpin(self, fragments: set[int]) -> None:
+        """The checkpoint in flight has written (and let go of) these fragments: their commits may
+        update the momentum in place again."""
+        self.pinned -= fragments
+
     def snapshot(self) -> Snapshot:
         """The checkpointable state, consistent as of now, safe to write on another thread.
 
         Tensors are shared, not copied: values are never written in place (a commit writes
-        the next value elsewhere), and every momentum is *pinned* until
-        :meth:`release_snapshot`, so a commit in between writes its new momentum beside the
-        old one. A checkpoint therefore costs no extra memory unless fragments commit while
-        it is being written.
+        the next value elsewhere), and every fragment is *pinned* until the writer has written
+        it (:meth:`unpin`, or :meth:`release_snapshot` at the end): a commit with momentum waits
+        for that, since it updates the momentum in place (``commit.PIN_WAIT_S``). A superseded
+        value the writer still holds counts against the fragment buffers' budget, so the next
+        round opens once it is let go (``rounds._sum_fits``): a checkpoint costs no extra memory.
         """
         if not self.initialised or self.fingerprint is None:
             raise RuntimeError("nothing to checkpoint before every fragment is initialised")
@@ -230,9 +236,9 @@ class Recovery(StateFields):
             # t with (t − 1) mod P == idx (rounds run fragments in turn).
             last = snap.next_round - 1 - ((snap.next_round - 2 - idx) % snap.n_fragments)
             n_parts = layout.n_parts(self.config.part_elems)
-            momentum = fs.momentum.contiguous() if self.config.outer_momentum > 0 else None
+            momentum = self.book.adopt(fs.momentum.contiguous()) if self.config.outer_momentum > 0 else None
             # Magnitudes unknown until the first commit: it writes its momentum beside the old one.
-            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=fs.value.contiguous(),
+            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=self.book.adopt(fs.value.contiguous()),
                                         momentum=momentum, version=fs.version, initialised=True,
                                         round=max(0, last), value_absmax=[float("inf")] * n_parts,
                                         momentum_absmax=[float("inf")] * n_parts))

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from diloco.protocol.schedule import Schedule
+from diloco.syncer.book import OVER_BUDGET_WAIT_S
 from diloco.syncer.dataplane import DigestFragment
 from diloco.syncer.fields import StateFields
 from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
@@ -57,6 +58,8 @@ class RoundClock(StateFields):
                     return  # the previous round of this fragment is still uncommitted
                 if len(self.rounds) >= self.config.max_open_rounds:
                     return  # --max-open-rounds: each open round holds a running sum
+                if not self._sum_fits(fragment, now):
+                    return
                 self._open(t, fragment, members, now, out, flush=False)
                 log.info("open round %d fragment %d (clock step %d >= %d), members %s", t, fragment, clock,
                          threshold, sorted(members))
@@ -70,10 +73,34 @@ class RoundClock(StateFields):
                 continue
             if any(r.flush and r.fragment == fragment for r in self.rounds.values()):
                 continue
-            if len(self.rounds) >= self.config.max_open_rounds:
+            if len(self.rounds) >= self.config.max_open_rounds or not self._sum_fits(fragment, now):
                 return
             self._open(self.next_open, fragment, members, now, out, flush=True)
             log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))
+
+    def _sum_fits(self, fragment: int, now: float) -> bool:
+        """Whether a new round of ``fragment`` fits the fragment buffers' budget (``book.FragmentBook``):
+        the buffers alive now (a superseded value a stream or a checkpoint still reads counts until
+        it is let go), the sums of open rounds still to be allocated, and this round's sum. A round
+        that does not fit waits, at most ``book.OVER_BUDGET_WAIT_S``, then opens with a warning."""
+        sizes = {f.index: f.layout.numel * 4 for f in self.fragments if f.layout is not None}
+        pending = sum(sizes.get(r.fragment, 0) for r in self.rounds.values() if r.sum is None)
+        if self.book.live_bytes + pending + sizes.get(fragment, 0) <= self.book.limit_bytes(self.fragments):
+            self.over_budget_since = None
+            return True
+        if self.over_budget_since is None:
+            self.over_budget_since = now
+            log.info("round %d waits: %.0f MiB of fragment buffers alive (superseded values still being sent "
+                     "or checkpointed), budget %.0f MiB", self.next_open, self.book.live_bytes / 2**20,
+                     self.book.limit_bytes(self.fragments) / 2**20)
+        if now - self.over_budget_since < OVER_BUDGET_WAIT_S:
+            return False
+        log.warning("round %d opens over the memory budget after %.0fs: %.0f MiB of fragment buffers alive, "
+                    "budget %.0f MiB (a slow stream or checkpoint holds superseded values)", self.next_open,
+                    now - self.over_budget_since, self.book.live_bytes / 2**20,
+                    self.book.limit_bytes(self.fragments) / 2**20)
+        self.over_budget_since = None
+        return True
 
     def _open(self, t: int, fragment: int, members: frozenset[int], now: float, out: list[Out], flush: bool) -> None:
         r = RoundRecord(round=t, fragment=fragment, attempt=0, members=members, attempt_started=now, flush=flush)

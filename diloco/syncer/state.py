@@ -118,7 +118,9 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards)
         self.started_at: float | None = None
         """Clock of the first message or tick: the join timeout counts from it."""
         self.pinned: set[int] = set()
-        """Fragments whose momentum an in-flight checkpoint still reads."""
+        """Fragments an in-flight checkpoint has still to write (``unpin`` as it writes them)."""
+        self.over_budget_since: float | None = None
+        """Clock since when the next round waits for fragment buffers to be let go (``rounds._sum_fits``)."""
         self.events: list[dict[str, Any]] = []
         self.work: list[Work] = []
         """Payload work for the data plane, drained by the loop."""

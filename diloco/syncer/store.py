@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 from safetensors import safe_open
@@ -66,22 +66,22 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write fp32 tensors in the safetensors format, streaming each tensor's memory (no copy)."""
+def _safetensors_header(sizes: list[tuple[str, int]]) -> bytes:
+    """The length prefix and JSON header of a safetensors file of flat fp32 tensors ``(name, numel)``."""
     header: dict[str, Any] = {}
     offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * 4
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
+    for name, numel in sizes:
+        header[name] = {"dtype": "F32", "shape": [numel], "data_offsets": [offset, offset + numel * 4]}
+        offset += numel * 4
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for t in tensors.values():
-            flat = t.detach().reshape(-1).contiguous()
-            f.write(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
+    """Append a flat fp32 tensor's own memory to ``f`` (no copy)."""
+    flat = t.detach().reshape(-1).contiguous()
+    f.write(memoryview(flat.view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 class CheckpointStore:
@@ -114,8 +114,13 @@ class CheckpointStore:
                 found.append((int(m.group(1)), p))
         return sorted(found)
 
-    def save(self, snap: Snapshot) -> Path:
-        """Write ``snap`` as the next checkpoint and point ``latest`` at it."""
+    def save(self, snap: Snapshot, fragments: list[FragmentSnapshot] | None = None,
+             on_written: Callable[[int], None] | None = None) -> Path:
+        """Write ``snap`` as the next checkpoint and point ``latest`` at it.
+
+        ``fragments``: the snapshot's fragments as a list the caller lets go of (then ``snap``'s own
+        are not read): each entry is dropped (``None``) once written and checksummed, and
+        ``on_written(index)`` is called then, so a superseded value is freed while the rest is written."""
         existing = self._existing()
         seq = existing[-1][0] + 1 if existing else 1
         name = f"ckpt-{seq:08d}"
@@ -124,26 +129,34 @@ class CheckpointStore:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        values: dict[str, torch.Tensor] = {}
-        momentum: dict[str, torch.Tensor] = {}
-        frags: list[dict[str, Any]] = []
-        for idx, fs in enumerate(snap.fragments):
-            values[str(idx)] = fs.value
-            momentum[str(idx)] = fs.momentum
-            frags.append(
-                {"version": fs.version, "schema": [[n, d, list(s)] for n, d, s in fs.schema]}
-            )
-        _write_safetensors(tmp / "values.safetensors", values)
-        _write_safetensors(tmp / "momentum.safetensors", momentum)
-        numels = [int(fs.value.numel()) for fs in snap.fragments]
+        frags = list(snap.fragments) if fragments is None else fragments
+        meta = [{"version": fs.version, "schema": [[n, d, list(s)] for n, d, s in fs.schema]} for fs in frags]
+        numels = [int(fs.value.numel()) for fs in frags]
+        sizes = [(str(i), n) for i, n in enumerate(numels)]
+        checksums: dict[str, list[str]] = {"values": [], "momentum": []}
+        # Both files are written side by side, one fragment at a time: a fragment's tensors are
+        # let go (``on_written``) once on disk and checksummed, not when the whole checkpoint is.
+        with open(tmp / "values.safetensors", "wb") as fv, open(tmp / "momentum.safetensors", "wb") as fm:
+            fv.write(_safetensors_header(sizes))
+            fm.write(_safetensors_header(sizes))
+            for idx in range(len(frags)):
+                fs = frags[idx]
+                _write_tensor(fv, fs.value)
+                _write_tensor(fm, fs.momentum)
+                checksums["values"].append(checksum(fs.value))
+                checksums["momentum"].append(checksum(fs.momentum))
+                if fragments is not None:
+                    fragments[idx] = None  # type: ignore[call-overload]
+                del fs
+                if on_written is not None:
+                    on_written(idx)
         manifest = {
-            "checksums": {"values": [checksum(fs.value) for fs in snap.fragments],
-                          "momentum": [checksum(fs.momentum) for fs in snap.fragments]},
+            "checksums": checksums,
             "settings": settings_of(snap.fingerprint, numels, snap.hyper),
             "format": FORMAT,
             "fingerprint": snap.fingerprint,
             "n_fragments": snap.n_fragments,
-            "fragments": frags,
+            "fragments": meta,
             "next_round": snap.next_round,
             "ledgers": {str(k): v for k, v in snap.ledgers.items()},
             "hyper": snap.hyper,
@@ -162,7 +175,7 @@ class CheckpointStore:
         _fsync_dir(self.root)
         for _seq, old in self._existing()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s written (versions %s, next round %d)", final, [f.version for f in snap.fragments], snap.next_round)
+        log.info("checkpoint %s written (versions %s, next round %d)", final, [m["version"] for m in meta], snap.next_round)
         return final
 
     # ------------------------------------------------------------------ read

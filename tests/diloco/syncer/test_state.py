@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from diloco.syncer import commit as commit_rules
 from diloco.syncer.config import ConfigError, SyncerConfig
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import FORMAT, CheckpointStore
@@ -503,8 +504,11 @@ def test_config_errors_name_the_flag() -> None:
         SyncerConfig(islands=2, max_fragment_bytes=0)
 
 
-def test_snapshot_stays_consistent_while_fragments_commit() -> None:
-    """A background checkpoint shares tensors with the state: commits write beside them."""
+def test_snapshot_stays_consistent_while_fragments_commit(monkeypatch) -> None:
+    """A background checkpoint shares tensors with the state. A commit with momentum (which it
+    updates in place) waits until the writer has written its fragment (``unpin``); past
+    ``commit.PIN_WAIT_S`` it writes the new momentum beside the pinned one."""
+    monkeypatch.setattr(commit_rules, "PIN_WAIT_S", 5.0)
     d = started()
     st = d.st
     snap = st.snapshot()
@@ -514,6 +518,10 @@ def test_snapshot_stays_consistent_while_fragments_commit() -> None:
     v0, m0 = value(d, 0), momentum(d, 0)
     for i in range(3):
         d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
+    assert st.fragments[0].version == 0 and st.rounds[1].closed and not st.rounds[1].committing  # waits
+    d.tick(4.0)
+    assert st.fragments[0].version == 0
+    d.tick(6.5)  # past PIN_WAIT_S: committed beside the pinned momentum
     assert st.fragments[0].version == 1
     check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 1) for i in range(3)}, st.events[-1])
     # The state moved on (value and momentum written beside the pinned ones), the snapshot did not.
@@ -525,19 +533,24 @@ def test_snapshot_stays_consistent_while_fragments_commit() -> None:
     # buffer yet, so the snapshot holds zeros that occupy no memory.
     assert snap.fragments[1].value is st.fragments[1].value and st.fragments[1].momentum is None
     assert not snap.fragments[1].momentum.any()
+    # Fragment 1 is still pinned: its closed round waits until the writer lets go of it, then commits.
+    val = st.fragments[1].value
+    d.send(peer(0), hb(0, 4), now=7.0)
+    d.send(peer(1), hb(1, 4), now=7.0)
+    for i in range(3):
+        d.send_all(peer(i), pushes(i, 2, 1), now=7.0)
+    assert st.fragments[1].version == 0 and st.rounds[2].closed
+    st.unpin({1})
+    d.tick(7.1)
+    assert st.fragments[1].version == 1 and st.fragments[1].value is not val
     # Unpinned, a commit updates the momentum in place (the overflow bound proves the step finite).
     st.release_snapshot()
-    val = st.fragments[1].value
-    d.send(peer(0), hb(0, 4), now=2.0)
-    d.send(peer(1), hb(1, 4), now=2.0)
-    for i in range(3):
-        d.send_all(peer(i), pushes(i, 2, 1), now=2.0)
-    assert st.fragments[1].version == 1 and st.fragments[1].value is not val
+    del snap, val  # written: the superseded buffers go (while held, they count against the budget: no round opens)
     mom, v0, m0 = st.fragments[0].momentum, value(d, 0), momentum(d, 0)
-    d.send(peer(0), hb(0, 6), now=3.0)
-    d.send(peer(1), hb(1, 6), now=3.0)
+    d.send(peer(0), hb(0, 6), now=8.0)
+    d.send(peer(1), hb(1, 6), now=8.0)
     for i in range(3):
-        d.send_all(peer(i), pushes(i, 3, 0, base=1), now=3.0)
+        d.send_all(peer(i), pushes(i, 3, 0, base=1), now=8.0)
     assert st.fragments[0].version == 2 and st.fragments[0].momentum is mom
     check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 3) for i in range(3)}, st.events[-1])
 
