@@ -180,7 +180,8 @@ class _ThrottledSyncer(threading.Thread):
                 self.sock.send_multipart([peer.bytes, *wire.encode(welcome, nonce=1, seq=1)])
             elif isinstance(msg.header, wire.Init):
                 time.sleep(wire.payload_bytes(msg) / self.rate)
-                self.absorbed += 1
+                if msg.header.part == msg.header.n_parts - 1:  # a fragment travels as parts
+                    self.absorbed += 1
                 if self.absorbed == self.n:
                     self.done.set()
         self.sock.close()
@@ -192,6 +193,7 @@ def bench_init_and_idle(rank: int, world: int, spec_kw: dict[str, Any], idle_ste
     from diloco.config import IslandConfig
     from diloco.island.boundary import Island
     from diloco.island.client import SyncClient
+    from diloco.island.lifecycle import fragment_layouts
 
     spec = ModelSpec(**spec_kw)
     built = build_island_model(spec, tp=2, pp=1)
@@ -217,7 +219,7 @@ def bench_init_and_idle(rank: int, world: int, spec_kw: dict[str, Any], idle_ste
     if syncer is not None:
         # Throttle the link to the gather speed: the case where overlap matters most.
         syncer.rate = total / t_gather
-        client = SyncClient(cfg, island.fingerprint, n)
+        client = SyncClient(cfg, island.fingerprint, fragment_layouts(island.plan))
         client.wait_welcome(30)
         sends = []
         for _ in range(2):  # the first pass also warms the receiver's buffers: keep the best
@@ -343,7 +345,10 @@ def main() -> None:
     ap.add_argument("--idle-steps", type=int, default=200)
     ap.add_argument("--only", choices=("ab", "cd", "e"), default=None, help="run only parts (a, b), (c, d) or (e)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the masters live, part (e)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: the test suite runs it")
     args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.repeat, args.idle_steps = 64, 2, 1, 5
     logging.basicConfig(level=logging.WARNING)
     spec = ModelSpec(
         vocab=32000, hidden=args.hidden, layers=args.layers, heads=16, query_groups=4,

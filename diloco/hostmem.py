@@ -72,3 +72,19 @@ def tune_island_malloc() -> bool:
     if not _island_done:
         _island_done = set_malloc_thresholds(ISLAND_MMAP_BYTES, ISLAND_TRIM_BYTES)
     return _island_done
+
+
+def trim_heap() -> bool:
+    """Give freed heap memory back to the kernel now (``malloc_trim(0)``); True when it ran.
+
+    For the end of a process's big phase (an island after its final cut): the raised trim
+    threshold otherwise keeps every freed byte resident."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

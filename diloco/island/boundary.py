@@ -378,6 +378,8 @@ class Island(StartFinish):
                 continue
             if not finishing and (self.unmerged_steps[f] < 1 or f in replaced):
                 continue  # wait for a local step on top of the value installed now
+            if not finishing and not self.data.slot_free_for(f) and self.data.slot_holder() not in installs:
+                continue  # the snapshot slot holds another fragment's push until its commit is installed
             pushes.append((f, p.round, p.attempt))
             del self._pulls[f]
         return pushes
@@ -424,10 +426,11 @@ class Island(StartFinish):
             stale = f in self._stale
             self._stale.discard(f)
             progress = (not cut and self.cfg.apply_mode == "progress" and snap is not None
-                        and (snap <= rnd or stale))
+                        and (snap <= rnd or stale) and self.data.holds_snapshot(f))
             mode = "cut" if cut else "progress" if progress else "blend"
             seq = self.bg.submit("stage", f"staging of fragment {f} version {version}",
-                                 functools.partial(self.data.stage, f, values, progress))
+                                 functools.partial(self.data.stage, f, values, progress,
+                                                   self.cfg.transfer_timeout_s))
             del values
             self._staging[f] = _Staged(version, rnd, cut, mode, seq, data_bytes)
 
@@ -444,7 +447,8 @@ class Island(StartFinish):
                 # A snapshot whose push was never merged (its attempt was dropped, or its round
                 # committed nothing): the anchor did not move, so those steps are still unmerged.
                 self.unmerged_steps[f] += self._snap_steps.get(f, 0)
-            self.data.snapshot(f)
+            # After the last step the masters no longer move: a push then needs no snapshot slot.
+            self.data.snapshot(f, slotless=not self.data.slot_free_for(f))
             self._counters.pushes += 1
             steps, self.unmerged_steps[f] = self.unmerged_steps[f], 0
             self._snap_round[f], self._snap_steps[f] = rnd, steps
@@ -473,6 +477,7 @@ class Island(StartFinish):
             return
         assert self.client is not None and delta is not None
         accepted = self.client.push(pull, base_version, steps, steps * self.tokens_per_step, delta)
+        self.data.push_sent(f, accepted)
         del delta
         self._sent.append((f, pull.round, pull.attempt, steps, data_bytes, accepted is not None))
 

@@ -47,7 +47,8 @@ import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
-from diloco.island.inbox import Inbox, PendingBcast, SyncError, _Assembly
+from diloco.island.delta_source import DeltaSource, PartRing
+from diloco.island.inbox import Inbox, PendingBcast, ReceiveTarget, SyncError, _Assembly
 from diloco.island.liveness import Liveness
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, Stream
@@ -90,7 +91,7 @@ class _Outgoing:
     """A control message, or (``tensors`` given) a fragment stream to cut into parts."""
 
     header: wire.Header
-    tensors: Tensors = field(default_factory=list)
+    tensors: Tensors | DeltaSource = field(default_factory=list)
     wire_dtype: str | None = None
     sent: threading.Event | None = None
     stream: Stream | None = None
@@ -106,7 +107,8 @@ class SyncClient(Inbox):
             in plan order), to cut pushes into parts and check received ones.
     """
 
-    def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout]) -> None:
+    def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout],
+                 receive_target: ReceiveTarget | None = None) -> None:
         self._cfg = config
         self._fingerprint = fingerprint
         self._layouts = list(layouts)
@@ -120,7 +122,8 @@ class SyncClient(Inbox):
         self.stats = ClientStats()
         self.liveness = Liveness()
         """Progress clocks (what a waiting island counts as moving) and link measurements."""
-        self.pool = wire.HostBufferPool(max_idle_bytes=2 * max((lay.numel * 4 for lay in self._layouts), default=0))
+        # Received fragments (BCAST, cuts) are assembled here: one fragment's worth kept idle.
+        self.pool = wire.HostBufferPool(max_idle_bytes=max((lay.numel * 4 for lay in self._layouts), default=0))
         # State shared with the training thread, guarded by _lock.
         self._welcome: wire.Welcome | None = None
         self._part_elems = wire.DEFAULT_PART_ELEMS
@@ -155,6 +158,10 @@ class SyncClient(Inbox):
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
         self._assembling: dict[tuple[str, int], _Assembly] = {}
+        self.ring = PartRing(_WINDOW)
+        """Where pushes computed part by part (DeltaSource) land: ``_WINDOW`` parts (I/O thread)."""
+        self.receive_target = receive_target
+        """Where received values may land directly (the island's anchors), or None: pooled."""
         self._streams: list[_Outgoing] = []
         self._thread = threading.Thread(target=self._run, name=f"yeto-client-{config.island_id}", daemon=True)
         self._thread.start()
@@ -190,7 +197,7 @@ class SyncClient(Inbox):
         return done
 
     def push(self, pull: wire.Pull, base_version: int, local_steps: int, tokens: int,
-             delta: Tensors) -> threading.Event | None:
+             delta: Tensors | DeltaSource) -> threading.Event | None:
         """Queue a PUSH answering ``pull``; thread-safe, never blocks.
 
         Returns an event set once the client no longer reads ``delta`` (every part sent, or
@@ -278,6 +285,23 @@ class SyncClient(Inbox):
             if len(self._final) < self._n_fragments:
                 return None
             return dict(self._final)
+
+    def final_received(self) -> int:
+        """How many fragments of the final cut have arrived (taken or not)."""
+        with self._lock:
+            self._raise_fatal()
+            return len(self._final)
+
+    def take_final(self, fragment: int) -> tuple[wire.Final, Tensors] | None:
+        """Fragment ``fragment`` of the final cut once it has arrived (else None); the client
+        then lets go of its tensors, so the final cut is held one fragment at a time."""
+        with self._lock:
+            self._raise_fatal()
+            got = self._final.get(fragment)
+            if got is None:
+                return None
+            self._final[fragment] = (got[0], [])
+            return got
 
     def wait_event(self, timeout_s: float) -> None:
         """Sleep until the I/O thread parks something new, or the timeout."""
@@ -460,7 +484,7 @@ class SyncClient(Inbox):
             if isinstance(out.header, wire.Push) and self._feedback is not None:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
             else:
-                payload = wire.encode_payload(layout.slice_part(out.tensors, k, E), wire_dtype=out.wire_dtype,
+                payload = wire.encode_payload(_part_of(out.tensors, layout, k, E, self.ring), wire_dtype=out.wire_dtype,
                                               seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
@@ -474,13 +498,19 @@ class SyncClient(Inbox):
         self._send_seq += 1
         return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
 
-    def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors, k: int) -> wire.Payload:
+    def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors | DeltaSource,
+                        k: int) -> wire.Payload:
         """Part ``k`` of a push as block-quantized codes + bf16 scales, with error feedback: the
         rounding of this part is carried into the fragment's next push (``diloco.quant``)."""
         assert self._feedback is not None
-        lo, _hi = layout.part_range(k, self._part_elems)
-        segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
-        flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
+        lo, hi = layout.part_range(k, self._part_elems)
+        if isinstance(tensors, DeltaSource):  # computed into one ring buffer: already contiguous
+            buf = self.ring.take(self._part_elems)
+            tensors.slice_part(layout, k, self._part_elems, out=buf)
+            flat = buf[: hi - lo]
+        else:
+            segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
+            flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
         codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
         return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed)
 
@@ -559,3 +589,11 @@ class SyncClient(Inbox):
             return msgspec.structs.replace(header, generation=gen)
         return header
 
+
+def _part_of(tensors: Tensors | DeltaSource, layout: wire.FragmentLayout, k: int, part_elems: int,
+             ring: PartRing) -> list[tuple[str, torch.Tensor]]:
+    """Part ``k``'s segments: views of materialised tensors, or computed now by a DeltaSource
+    into the next buffer of ``ring`` (consecutive views of it)."""
+    if isinstance(tensors, DeltaSource):
+        return tensors.slice_part(layout, k, part_elems, out=ring.take(part_elems))
+    return layout.slice_part(tensors, k, part_elems)

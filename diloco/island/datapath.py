@@ -21,31 +21,43 @@ rank sends every primary holder only its own slice, primaries forward to replica
 rank receives into its staging buffer and precomputes the progress correction
 ``global − snapshot``).
 
-Buffers (per local piece, allocated once at first use, then reused; pinned when the
-masters live on an accelerator): ``snap`` (the snapshot, i.e. θ_push), ``work`` (the delta
-being sent, then the progress correction) and ``staged`` (the received global value; after
-the install it *becomes* the anchor, and the old anchor buffer is the next staging buffer:
-a swap, no copy). Host memory is therefore four fp32 copies of this rank's share of the
-model at most, whatever the number of rounds.
+Buffers, each with a budget (logged at start by :meth:`DataPath.preallocate`):
+
+* the **anchor** of every piece this rank holds (fp32, owned by the ``FragmentTransfer``):
+  one copy of this rank's slice of the model, the only buffer that grows with the model;
+* one **snapshot slot** (pinned when the masters live on an accelerator), sized to this
+  rank's largest share of one fragment, whatever the number of fragments: it holds θ_push of
+  the one fragment whose push is outstanding, from the snapshot until that fragment's commit
+  is installed. Staging writes the received global value straight into the anchor and turns
+  the slot into the progress correction ``global − θ_push`` in place; the install adds it to
+  the masters and frees the slot. A push of another fragment waits (the planner defers it)
+  while the slot is taken; after the last training step pushes need no slot (the masters no
+  longer move: :meth:`DataPath.snapshot` with ``slotless``);
+* transient deltas of one send batch (``_SEND_BATCH_BYTES``) on ranks that send to the sync
+  rank, and on the sync rank either nothing (every element of the fragment held whole here:
+  the client computes each part's delta as it encodes it, :class:`DeltaSource`) or one
+  fragment's global tensors being assembled.
 
 Buffer hazards, and why they cannot happen: jobs run FIFO on one worker, and the island
 (``boundary.py``) never snapshots a fragment before the previous commit of that fragment is
 installed, never stages a fragment twice before installing it, and installs only what is
-staged on every rank. So a push job of ``f`` (reads ``snap``, ``anchor``, writes ``work``)
-always finishes before the staging job of ``f`` (writes ``staged``, ``work``), which
-finishes before the install (reads ``staged``, ``work``; swaps anchor), which precedes the
-next snapshot of ``f``. Device copies out of pinned buffers are fenced by events the next
-writer of that buffer waits for.
+staged on every rank. So a push job of ``f`` (reads the slot and the anchor) always finishes
+before the staging job of ``f`` (writes the anchor and the slot), which on the sync rank also
+waits until the client has stopped reading the push (its ``sent`` event), and which finishes
+before the install (reads the anchor or the slot), which precedes the next snapshot into the
+slot. Device copies out of pinned memory are fenced by events the next writer waits for.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from diloco.island.delta_source import DeltaSource
 from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, ShardSlices
 from diloco.layout.base import group_rank
 from gloo_bridge import device as dev
@@ -53,6 +65,9 @@ from gloo_bridge import device as dev
 log = logging.getLogger(__name__)
 
 Tensors = list[tuple[str, torch.Tensor]]
+
+_SEND_BATCH_BYTES = 64 << 20
+"""Most delta bytes a non-sync rank holds in flight to the sync rank at once."""
 
 
 class DataPath:
@@ -89,34 +104,53 @@ class DataPath:
                 else:
                     merged.append((p, off, n))
             self._held.append(merged)
+        self._whole = [self._held_whole(f) for f in range(len(xfer._routes))]
         self._pinned = any(dev.is_accelerator(p.master) for p in pieces) and dev.pinning_available()
-        self._snap: dict[int, torch.Tensor] = {}
-        self._work: dict[int, torch.Tensor] = {}
-        self._staged: dict[int, torch.Tensor] = {}
-        self._snap_event: dict[int, object | None] = {}
+        self._slot: torch.Tensor | None = None
+        self._slot_owner: int | None = None
+        self._slot_views: dict[int, torch.Tensor] = {}
+        self._slotless: set[int] = set()
+        self._slot_event: object | None = None
+        self._snap_event: object | None = None
         self._install_event: dict[int, object | None] = {}
         self._side: dict[str, object | None] = {}
+        self._sent: dict[int, threading.Event] = {}
         self.bytes_sent = 0
         """Data-group bytes this rank sent (background thread)."""
 
-    # ------------------------------------------------------------------ buffers
-    def _buf(self, table: dict[int, torch.Tensor], p: int) -> torch.Tensor:
-        t = table.get(p)
-        if t is None:
-            piece = self._x._pieces[p]
-            n = piece.end - piece.start
-            t = table[p] = dev.host_buffer(4 * n, self._pinned).view(torch.float32)
-        return t
+    def _held_whole(self, f: int) -> list[tuple[str, int, int]] | None:
+        """(name, piece, offset) per tensor of ``f`` when this (sync) rank exports every tensor
+        of it whole from one piece of its own; None otherwise."""
+        x = self._x
+        route = x._routes[f]
+        if self._me != self._sync or set(route.export) - {self._sync}:
+            return None
+        by_name = {seg.name: (seg, h) for seg, h in route.export.get(self._sync, [])}
+        out = []
+        for spec in x._plan.specs_of(f):
+            seg, h = by_name.get(spec.name, (None, None))
+            if seg is None or h is None or seg.shard.partition_dim >= 0 or seg.a != 0 or seg.b != spec.numel:
+                return None
+            if len(route.export[self._sync]) != len(x._plan.specs_of(f)):
+                return None
+            out.append((spec.name, h.piece, h.off))
+        return out
 
-    def preallocate(self) -> int:
-        """Allocate every buffer now (at start-up), not at a fragment's first push: pinned host
-        memory is slow to allocate (a 700 MiB fragment's buffers cost ~0.5 s on the GPU host),
-        and that must not land on a training step. Returns the bytes allocated."""
-        total = 0
-        for table in (self._snap, self._work, self._staged):
-            for p in range(len(self._x._pieces)):
-                total += self._buf(table, p).numel() * 4
-        return total
+    # ------------------------------------------------------------------ buffers
+    def slot_nbytes(self) -> int:
+        """Bytes of the snapshot slot: this rank's largest share of one fragment."""
+        return max((self.share_nbytes(f) for f in range(len(self._mine))), default=0)
+
+    def preallocate(self) -> dict[str, int]:
+        """Allocate the snapshot slot and every anchor now (at start-up), not at a fragment's
+        first push: pinned memory is slow to allocate and that must not land on a training
+        step. Returns the bytes by kind (what the island logs)."""
+        if self._slot is None:
+            self._slot = dev.host_buffer(self.slot_nbytes(), self._pinned).view(torch.float32)
+        for piece in range(len(self._x._pieces)):
+            self._x.anchor_of(piece)
+        return {"anchors": self._x.anchor_nbytes(), "snapshot_slot": self._slot.numel() * 4,
+                "pinned": self._slot.numel() * 4 if self._pinned else 0}
 
     def _side_stream(self, device: torch.device) -> object | None:
         key = str(device)
@@ -128,85 +162,198 @@ class DataPath:
         """Bytes of this rank's pieces of fragment ``f`` (what a snapshot copies)."""
         return sum(4 * (self._x._pieces[p].end - self._x._pieces[p].start) for p in self._mine[f])
 
+    def slot_free_for(self, f: int) -> bool:
+        """Whether a snapshot of ``f`` may be taken now (the slot is free, or already ``f``'s)."""
+        return self._slot_owner is None or self._slot_owner == f
+
+    def free(self) -> None:
+        """Drop the snapshot slot and every anchor (after the final cut)."""
+        self.release_all(0.0)
+        if self._slot is not None:
+            dev.free_host_buffer(self._slot)
+        self._slot = None
+        self._x.free_anchors()
+
+    def receive_views(self, f: int, dtype: str) -> list[torch.Tensor] | None:
+        """Client I/O thread: where a received fp32 value of ``f`` may land directly, one flat
+        view per tensor in plan order: this (sync) rank's anchors, when it holds every tensor of
+        ``f`` whole (preallocated); None otherwise (the client assembles into a pooled buffer).
+
+        Safe because nothing reads an anchor of ``f`` while a value of ``f`` arrives: a commit
+        of ``f`` is sent only after our push of ``f`` was received whole, the planner pushes
+        nothing of ``f`` while a value of it is pending, and a cut (a rejoin) voids the pushes
+        in flight and is installed whole, replacing whatever it overtook."""
+        whole = self._whole[f]
+        if whole is None or dtype != "float32" or len(self._x._anchors) < len(self._x._pieces):
+            return None
+        sizes = [spec.numel for spec in self._x._plan.specs_of(f)]
+        return [self._x._anchors[p][off : off + n] for (_, p, off), n in zip(whole, sizes)]
+
+    def master_views(self, f: int) -> Tensors | None:
+        """``f``'s fp32 masters as global tensors without a copy (plan order), when this (sync)
+        rank holds every tensor of ``f`` whole in host memory; None otherwise. For INIT, which
+        is sent before the first step and waited for, so the masters cannot move under it."""
+        whole = self._whole[f]
+        if whole is None:
+            return None
+        out = []
+        for (name, p, off), spec in zip(whole, self._x._plan.specs_of(f)):
+            master = self._x._pieces[p].master
+            if master.device.type != "cpu":
+                return None
+            out.append((name, master[off : off + spec.numel].view(spec.shape)))
+        return out
+
+    def gathers_whole(self) -> bool:
+        """Whether no push of this rank assembles a fragment (a non-sync rank only sends; a
+        sync rank that holds every fragment whole streams deltas through DeltaSource)."""
+        return self._me != self._sync or all(w is not None for w in self._whole)
+
+    def slot_holder(self) -> int | None:
+        """The fragment whose θ_push the slot holds (None when free)."""
+        return self._slot_owner
+
+    def release_all(self, timeout_s: float) -> bool:
+        """Forget every snapshot (before a final cut, which replaces every value), once the
+        client stopped reading every push (bounded wait; False if one was still read)."""
+        ok = all(ev.wait(timeout_s) for ev in self._sent.values())
+        self._slot_owner, self._slot_views = None, {}
+        self._slotless.clear()
+        self._sent.clear()
+        return ok
+
+    def holds_snapshot(self, f: int) -> bool:
+        """Whether the slot holds θ_push of ``f`` (a progress install is possible)."""
+        return self._slot_owner == f
+
     # ------------------------------------------------------------------ training thread
-    def snapshot(self, f: int) -> None:
-        """Copy this rank's pieces of ``f``'s masters into the snapshot buffers (θ_push).
+    def snapshot(self, f: int, slotless: bool = False) -> None:
+        """Take θ_push of ``f``: copy this rank's pieces of its masters into the slot.
 
         CPU: a plain copy. Accelerator: async copies on a side stream after the compute
         stream's pending work (the optimizer step); the compute stream then waits for them on
-        the device, so the next write of a master cannot race the copy."""
+        the device, so the next write of a master cannot race the copy.
+
+        ``slotless``: the masters will not move again (after the last step): the push reads
+        them directly and no slot is taken. Refuses (ValueError) a snapshot while the slot
+        holds another fragment."""
+        if slotless:
+            self._slotless.add(f)
+            if self._slot_owner == f:
+                self._slot_owner, self._slot_views = None, {}
+            return
+        if not self.slot_free_for(f):
+            raise ValueError(f"snapshot({f}): the slot holds fragment {self._slot_owner}")
+        if self._slot is None:
+            self.preallocate()
+        assert self._slot is not None
+        self._slotless.discard(f)
+        self._slot_owner, self._slot_views, pos = f, {}, 0
+        for p in self._mine[f]:
+            n = self._x._pieces[p].end - self._x._pieces[p].start
+            self._slot_views[p] = self._slot[pos : pos + n]
+            pos += n
         by_device: dict[str, list[int]] = {}
         for p in self._mine[f]:
             master = self._x._pieces[p].master
             if dev.is_accelerator(master):
                 by_device.setdefault(str(master.device), []).append(p)
             else:
-                self._buf(self._snap, p).copy_(master)
-        self._snap_event[f] = None
+                self._slot_views[p].copy_(master)
+        self._snap_event = None
         for name, ps in by_device.items():
             device = torch.device(name)
             side, main = self._side_stream(device), dev.current_stream(device)
             dev.stream_wait_event(side, dev.record_event(main))
             with dev.use_stream(side):
                 for p in ps:
-                    self._buf(self._snap, p).copy_(self._x._pieces[p].master, non_blocking=True)
+                    self._slot_views[p].copy_(self._x._pieces[p].master, non_blocking=True)
             done = dev.record_event(side)
             dev.stream_wait_event(main, done)
-            self._snap_event[f] = done
+            self._snap_event = done
 
     def install(self, f: int, mode: str, alpha: float = 0.0) -> None:
-        """Write ``f``'s masters from what :meth:`stage` staged; the staged global becomes the anchor.
+        """Write ``f``'s masters from what :meth:`stage` staged (the anchor holds the global).
 
         ``mode``: ``"cut"`` (master ← global), ``"progress"`` (master ← master + (global −
-        snapshot), the correction precomputed by :meth:`stage`), ``"blend"`` (master ← α·master +
-        (1−α)·global; exactly the global when α == 0)."""
+        θ_push), the correction :meth:`stage` left in the slot), ``"blend"`` (master ←
+        α·master + (1−α)·global; exactly the global when α == 0). Frees the slot if ``f``
+        held it."""
         if mode not in ("cut", "progress", "blend"):
             raise ValueError(f"install: unknown mode {mode!r}")
+        if mode == "progress" and self._slot_owner != f:
+            raise ValueError(f"install({f}, progress): the slot does not hold fragment {f}")
         event = None
         for p, off, n in self._held[f]:
             master = self._x._pieces[p].master[off : off + n]
-            staged = self._staged[p][off : off + n]
+            anchor = self._x.anchor_of(p)[off : off + n]
             nb = dev.is_accelerator(master)
             if mode == "progress":
-                work = self._work[p][off : off + n]
+                work = self._slot_views[p][off : off + n]
                 master.add_(work.to(master.device, non_blocking=True) if nb else work)
             elif mode == "cut" or alpha == 0.0:
-                master.copy_(staged, non_blocking=nb)
+                master.copy_(anchor, non_blocking=nb)
             else:
-                src = staged.to(master.device, non_blocking=True) if nb else staged
+                src = anchor.to(master.device, non_blocking=True) if nb else anchor
                 master.mul_(alpha).add_(src, alpha=1.0 - alpha)
             if nb:
                 event = dev.record_event(dev.current_stream(master.device))
-        for p in self._mine[f]:
-            # Swap: the staged global is the new anchor; the old anchor buffer is the next staging one.
-            staged_full = self._staged.pop(p)
-            old = self._x._anchors.get(p)
-            self._x._anchors[p] = staged_full
-            if old is not None:
-                self._staged[p] = old
+        if self._slot_owner == f:
+            self._slot_owner, self._slot_views = None, {}
+            self._slot_event = event
+        self._slotless.discard(f)
         self._install_event[f] = event
         self._x._anchored.add(f)
 
     # ------------------------------------------------------------------ background worker
-    def gather_delta(self, f: int) -> Tensors | None:
-        """Background, collective over the data group: ``snapshot − anchor`` of ``f`` gathered to
-        the sync rank as global fp32 tensors in plan order (pooled buffers); None elsewhere."""
+    def _snap_of(self, p: int, off: int, n: int) -> torch.Tensor:
+        """θ_push of a held run: the slot, or the master itself after a slotless snapshot."""
+        view = self._slot_views.get(p)
+        if view is not None:
+            return view[off : off + n]
+        master = self._x._pieces[p].master[off : off + n]
+        return master if master.device.type == "cpu" else master.to("cpu")
+
+    def gather_delta(self, f: int) -> Tensors | DeltaSource | None:
+        """Background, collective over the data group: ``θ_push − anchor`` of ``f`` for the sync
+        rank, in plan order; None elsewhere.
+
+        When the sync rank holds every tensor of ``f`` whole, the result is a
+        :class:`DeltaSource` that computes each part as the client sends it; otherwise the
+        fragment's global tensors are assembled (one fragment, pooled)."""
         x = self._x
         if f not in x._anchored:
             raise ValueError(f"gather_delta({f}): fragment {f} has no anchor (never applied)")
-        dev.event_synchronize(self._snap_event.get(f))
+        if f not in self._slotless and self._slot_owner != f:
+            raise ValueError(f"gather_delta({f}): no snapshot of fragment {f}")
+        dev.event_synchronize(self._snap_event)
         route = x._routes[f]
+        whole = self._whole[f]
+        on_host = whole is not None and all(x._pieces[p].master.device.type == "cpu" for _, p, _ in whole)
+        if whole is not None and (f not in self._slotless or on_host):
+            # After the last step (slotless) the masters themselves are θ_push: they no longer move.
+            names = [name for name, _, _ in whole]
+            sizes = [spec.numel for spec in x._plan.specs_of(f)]
+            snaps = [(x._pieces[p].master if f in self._slotless else self._slot_views[p])[off : off + n]
+                     for (_, p, off), n in zip(whole, sizes)]
+            anchors = [x.anchor_of(p)[off : off + n] for (_, p, off), n in zip(whole, sizes)]
+            return DeltaSource(names, snaps, anchors)
 
-        def delta_into(out: torch.Tensor, p: int, off: int, n: int) -> torch.Tensor:
-            return torch.sub(self._snap[p][off : off + n], x._anchors[p][off : off + n], out=out)
+        def delta(p: int, off: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.sub(self._snap_of(p, off, n), x.anchor_of(p)[off : off + n], out=out)
 
         if self._me != self._sync:
-            sends = []
+            batch: list[tuple[torch.Tensor, dist.Work]] = []
+            held = 0
             for seg, h in route.export.get(self._me, []):
-                d = delta_into(self._buf(self._work, h.piece)[h.off : h.off + seg.n], h.piece, h.off, seg.n)
+                if held and held + 4 * seg.n > _SEND_BATCH_BYTES:
+                    x._wait([w for _, w in batch])
+                    batch, held = [], 0
+                d = delta(h.piece, h.off, seg.n)
                 self.bytes_sent += 4 * seg.n
-                sends.append(x._isend(d, self._sync, _TAG_EXPORT, self._group))
-            x._wait(sends)
+                held += 4 * seg.n
+                batch.append((d, x._isend(d, self._sync, _TAG_EXPORT, self._group)))
+            x._wait([w for _, w in batch])
             return None
         asm = ExportAssembly(x._plan, f, x._pool)
         works = [
@@ -216,22 +363,34 @@ class DataPath:
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            delta_into(asm.dest(seg), h.piece, h.off, seg.n)
+            delta(h.piece, h.off, seg.n, out=asm.dest(seg))
         x._wait(works)
         return asm.finish()
 
-    def stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool) -> int:
+    def push_sent(self, f: int, event: threading.Event | None) -> None:
+        """Background (sync rank): the client reads ``f``'s push until ``event`` is set."""
+        if event is None:
+            self._sent.pop(f, None)
+        else:
+            self._sent[f] = event
+
+    def stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool,
+              timeout_s: float = 300.0) -> int:
         """Background, collective over the data group: scatter ``f``'s global values (sync rank
-        only; fp32 or bf16, upcast here, off the training thread) into every holder's staging
-        buffers; with ``progress`` also precompute ``work = staged − snapshot``.
+        only; fp32 or bf16, upcast here, off the training thread) straight into every holder's
+        anchor; with ``progress`` also turn the slot into ``global − θ_push`` in place.
 
         Returns the bytes the sync rank handed out (each element once), 0 elsewhere."""
         x = self._x
         route = x._routes[f]
-        dev.event_synchronize(self._install_event.pop(f, None))  # an async copy may still read a buffer
+        sent = self._sent.pop(f, None)
+        if sent is not None and not sent.wait(timeout_s):
+            raise TimeoutError(f"stage({f}): the client still reads the push of fragment {f} after {timeout_s:.0f}s")
+        dev.event_synchronize(self._install_event.pop(f, None))  # an async copy may still read the anchor
+        dev.event_synchronize(self._slot_event)
 
         def slot(h_piece: int, off: int, n: int) -> torch.Tensor:
-            return self._buf(self._staged, h_piece)[off : off + n]
+            return x.anchor_of(h_piece)[off : off + n]
 
         mine = route.apply.get(self._me, []) if self._me != self._sync else []
         works = [x._irecv(slot(h.piece, h.off, seg.n), self._sync, _TAG_APPLY, self._group) for seg, h in mine]
@@ -252,12 +411,12 @@ class DataPath:
         x._wait(sends)
         x._wait(fwd_works)
         del keep
-        for p in self._mine[f]:
-            self._buf(self._staged, p)  # every held piece gets a staging buffer (swapped in at install)
         if progress:
+            if self._slot_owner != f:
+                raise ValueError(f"stage({f}, progress): the slot does not hold fragment {f}")
             for p, off, n in self._held[f]:
-                torch.sub(self._staged[p][off : off + n], self._snap[p][off : off + n],
-                          out=self._buf(self._work, p)[off : off + n])
+                work = self._slot_views[p][off : off + n]
+                torch.sub(x.anchor_of(p)[off : off + n], work, out=work)
         return handed
 
     def _scatter(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None,
@@ -271,8 +430,6 @@ class DataPath:
         for (name, t), spec in zip(values, specs):
             if name != spec.name or tuple(t.shape) != spec.shape or t.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"stage({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape}")
-            if t.dtype != torch.float32:  # the bf16 wire: upcast here, into a pooled buffer
-                t = x._pool.empty(tuple(t.shape), torch.float32).copy_(t)
             table[name] = t.contiguous()
         flat = ShardSlices(table)
 
@@ -283,13 +440,17 @@ class DataPath:
             for seg, _ in items:
                 network += seg.n * 4
                 t = flat(seg)
+                if t.dtype != torch.float32:  # the bf16 wire: upcast here, one segment at a time
+                    t = t.float()
                 keep.append(t)
                 self.bytes_sent += 4 * seg.n
                 works.append(x._isend(t, dst, _TAG_APPLY, self._group))
         primaries = {(s.name, s.shard.key(), s.a) for d, items in route.apply.items() if d != self._sync
                      for s, _ in items}
         for seg, h in route.apply.get(self._sync, []):
-            self._buf(self._staged, h.piece)[h.off : h.off + seg.n].copy_(flat(seg))
+            dst, src = x.anchor_of(h.piece)[h.off : h.off + seg.n], flat(seg)
+            if dst.data_ptr() != src.data_ptr():  # a value received straight into the anchor
+                dst.copy_(src)
             if (seg.name, seg.shard.key(), seg.a) not in primaries:
                 own += seg.n * 4
         return network + own, works

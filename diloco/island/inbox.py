@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,12 +58,18 @@ class PendingBcast:
     tensors: Tensors
 
 
+ReceiveTarget = Callable[[int, str], "list[torch.Tensor] | None"]
+"""``(fragment, dtype) -> flat views, one per tensor in plan order`` where a received value of
+that fragment may land directly (the island's anchors), or None for a pooled buffer. Called on
+the I/O thread at a stream's first part."""
+
+
 @dataclass
 class _Assembly:
-    """A BCAST or FINAL arriving part by part into one flat buffer."""
+    """A BCAST or FINAL arriving part by part into one flat view per tensor."""
 
     header: wire.Bcast | wire.Final
-    flat: torch.Tensor
+    views: list[torch.Tensor]
     next_part: int = 0
 
 
@@ -96,6 +103,7 @@ class Inbox:
     _recv_seq: int
     _feedback: quant.ErrorFeedback | None
     _assembling: dict[tuple[str, int], _Assembly]
+    receive_target: ReceiveTarget | None
 
     if TYPE_CHECKING:
         def _resend_final_ack(self) -> None: ...
@@ -232,21 +240,20 @@ class Inbox:
         key = (kind, h.fragment)
         asm = self._assembling.get(key)
         if h.part == 0:
-            asm = self._assembling[key] = _Assembly(h, self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype]))
+            views = self.receive_target(h.fragment, dtype) if self.receive_target is not None else None
+            if views is None:
+                flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
+                views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
+            asm = self._assembling[key] = _Assembly(h, views)
         elif asm is None or asm.next_part != h.part or asm.header.version != h.version:
             raise wire.WireError(f"part {h.part} of version {h.version} out of order")
-        lo, _hi = layout.part_range(h.part, self._part_elems)
-        dests, pos = [], lo
-        for meta in opened.metas:
-            n = meta.shape[0]
-            dests.append(asm.flat[pos : pos + n])
-            pos += n
-        opened.copy_into(dests)
+        lo, hi = layout.part_range(h.part, self._part_elems)
+        opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)])  # check_part: same segments
         asm.next_part += 1
         if asm.next_part < h.n_parts:
             return None
         del self._assembling[key]
-        return asm.header, layout.flat_views(asm.flat)
+        return asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)]
 
     def _on_welcome(self, h: wire.Welcome) -> bool:
         problem = wire.check_part_elems(h.part_elems)

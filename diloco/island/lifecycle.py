@@ -23,6 +23,7 @@ import torch.distributed as dist
 from diloco import wire
 from diloco.config import IslandConfig
 from diloco.digest import tensor_digest
+from diloco.hostmem import trim_heap
 from diloco.island.background import Background
 from diloco.island.client import PendingBcast, SyncClient, SyncError
 from diloco.island.datapath import DataPath
@@ -50,6 +51,7 @@ class StartFinish:
     fingerprint: str
     transfer: FragmentTransfer
     data: DataPath
+    sync_buffers: dict[str, int]
     bg: Background
     client: SyncClient | None
     versions: list[int]
@@ -82,8 +84,14 @@ class StartFinish:
         events: list[dict] = []
         need_init = False
         error: str | None = None
+        # The anchors and the snapshot slot first (pinned on accelerators): received values land
+        # straight in the anchors, and no step pays for an allocation.
+        ta = time.monotonic()
+        budget = self.data.preallocate()
+        alloc_s = time.monotonic() - ta
         if self.is_sync:
-            self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan))
+            self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan),
+                                     receive_target=self.data.receive_views)
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
@@ -104,12 +112,15 @@ class StartFinish:
         apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
             apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
-        # Snapshot / staging buffers (pinned on accelerators) now, so no step pays for them.
-        ta = time.monotonic()
-        nbytes = self.data.preallocate()
-        if self.is_sync:
-            log.info("island %d: %.0f MiB of transfer buffers allocated in %.2fs", self.cfg.island_id,
-                     nbytes / 2**20, time.monotonic() - ta)
+        if self.is_sync and self.client is not None and not self.data.gathers_whole():
+            budget["export_pool_max"] = self.transfer.pool_max_idle()
+        else:
+            self.transfer.drop_pool()  # INIT's buffers: nothing exports through the pool any more
+        if self.client is not None:
+            budget["receive_pool_max"] = self.client.pool.max_idle_bytes
+        log.info("island %d rank %d sync buffers (%.2fs): %s", self.cfg.island_id, self.rank,
+                 alloc_s, ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in budget.items()))
+        self.sync_buffers = budget
         return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
 
     def _stream_init(self, events: list[dict]) -> None:
@@ -127,7 +138,9 @@ class StartFinish:
                         break
             self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                             self.cfg.sync_rank))
-            values = self.transfer.export_fragment(f, delta=False)
+            values = self.data.master_views(f)  # identical on every rank: no gather needed then
+            if values is None:
+                values = self.transfer.export_fragment(f, delta=False)
             if self.is_sync:
                 assert self.client is not None and values is not None
                 inflight.append(self.client.send_init(f, values))
@@ -217,6 +230,11 @@ class StartFinish:
                 break
         self._drain("shutdown")
         self.bg.close()
+        # The run is over: give the sync buffers back (anchors, slot, pools) to the kernel.
+        self.data.free()
+        if self.client is not None:
+            self.client.pool.clear()
+        trim_heap()
         if self._steplog is not None:
             self._steplog.close()
         if self.client is not None:
@@ -233,6 +251,8 @@ class StartFinish:
         self._exchange(Orders() if self.is_sync else None)
         self._staging.clear()
         self._snap_round.clear()
+        if not self.data.release_all(self.cfg.transfer_timeout_s):
+            log.warning("island %d: a push was still being sent before %s", self.cfg.island_id, why)
 
     def _finish_orders(self, deadline: float, acked: bool) -> Orders:
         assert self.client is not None
@@ -244,13 +264,8 @@ class StartFinish:
                 if time.monotonic() > deadline:
                     return Orders(error=f"no SHUTDOWN from the syncer within {self.cfg.final_timeout_s:.0f}s")
                 return Orders()  # the final cut is installed: nothing is applied or pushed after it
-            else:
-                finals = self.client.final_fragments()
-                if finals is not None:
-                    problems = [p for f, (_, t) in finals.items() if (p := self._check_values(f, t))]
-                    if problems:
-                        return Orders(error=f"the syncer's final cut does not match our plan: {problems[0]}")
-                    return Orders(final=True)
+            elif self.client.final_received() > 0:
+                return Orders(final=True)  # installed fragment by fragment as they arrive
             if time.monotonic() > deadline:
                 what = "SHUTDOWN" if acked else "the final cut"
                 return Orders(error=f"no {what} from the syncer within {self.cfg.final_timeout_s:.0f}s")
@@ -263,29 +278,58 @@ class StartFinish:
             return Orders(error=str(exc))
 
     def _install_final(self, events: list[dict]) -> float:
+        """Install the final cut fragment by fragment as each arrives (collective): the sync rank
+        holds one fragment of it at a time. Then acknowledge with the digests."""
         t0 = time.monotonic()
-        finals = self.client.final_fragments() if self.is_sync and self.client is not None else None
+        deadline = time.monotonic() + self.cfg.final_timeout_s
         data_bytes = 0
         digests: list[str] = []
+        versions: list[int] = [0] * self.plan.n_fragments
         for f in range(self.plan.n_fragments):
-            values = None
-            if finals is not None:
-                data_bytes += sum(t.numel() * t.element_size() for _, t in finals[f][1])
-                values = _fp32(finals[f][1])
-                digests.append(tensor_digest(values))  # what we install: the syncer checks it
+            values, error = None, None
+            if self.is_sync:
+                values, header, error = self._take_final(f, deadline)
+                if values is not None and header is not None:
+                    versions = list(header.versions)
+                    data_bytes += sum(t.numel() * t.element_size() for _, t in values)
+                    values = _fp32(values)
+                    digests.append(tensor_digest(values))  # what we install: the syncer checks it
+            self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
+                                            self.cfg.sync_rank))
             self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
+            del values
         self.transfer.refresh(range(self.plan.n_fragments))
         # Every rank learns the final versions from one broadcast (the manifest).
-        vers = torch.tensor(list(finals[0][0].versions) if finals is not None else [0] * self.plan.n_fragments,
-                            dtype=torch.int64)
+        vers = torch.tensor(versions, dtype=torch.int64)
         dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
         self.versions = [int(v) for v in vers]
         if self.is_sync and self.client is not None:
             self.client.send_final_ack(self.versions, digests)
+            self.client.pool.clear()
         events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
         if self.is_sync:
             log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
         return time.monotonic() - t0
+
+    def _take_final(self, f: int, deadline: float) -> tuple[Tensors | None, wire.Final | None, str | None]:
+        """Sync rank: fragment ``f`` of the final cut, waiting for it until ``deadline``;
+        (values, header, None) or (None, None, why not)."""
+        assert self.client is not None
+        try:
+            while True:
+                got = self.client.take_final(f)
+                if got is not None:
+                    header, values = got
+                    problem = self._check_values(f, values)
+                    if problem:
+                        return None, None, f"the syncer's final cut does not match our plan: {problem}"
+                    return values, header, None
+                if time.monotonic() > deadline:
+                    return None, None, (f"fragment {f} of the final cut did not arrive within "
+                                        f"{self.cfg.final_timeout_s:.0f}s")
+                self.client.wait_event(0.05)
+        except SyncError as exc:
+            return None, None, str(exc)
 
 
 def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:

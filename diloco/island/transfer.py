@@ -176,11 +176,11 @@ class FragmentTransfer:
         self._timeout = timeout
         self._pieces = layout.local_pieces()
         self._anchors: dict[int, torch.Tensor] = {}
-        # Exported global tensors are freed once pushed, and the next export needs the same
+        # Exported global tensors are freed once sent, and the next export needs the same
         # sizes (layers share shapes): reusing their pages avoids first-touch page faults,
-        # which on our hosts cost more than the transfer itself. Two fragments' worth idle.
+        # which on our hosts cost more than the transfer itself. One fragment's worth idle.
         largest = max((plan.nbytes(f) for f in range(plan.n_fragments)), default=0)
-        self._pool = HostBufferPool(max_idle_bytes=2 * largest)
+        self._pool = HostBufferPool(max_idle_bytes=largest)
         self._anchored: set[int] = set()
         self.bytes_sent = 0
         """Network bytes this rank sent through this object, all calls."""
@@ -282,13 +282,38 @@ class FragmentTransfer:
             return host
         return host - self._anchors[h.piece][h.off : h.off + n]
 
+    def anchor_of(self, piece: int) -> torch.Tensor:
+        """The flat fp32 anchor of one local piece (the global value last installed there),
+        allocated on first use: with :meth:`anchor_nbytes`, this rank's only buffer that grows
+        with the model."""
+        anchor = self._anchors.get(piece)
+        if anchor is None:
+            p = self._pieces[piece]
+            anchor = self._anchors[piece] = torch.zeros(p.end - p.start, dtype=torch.float32)
+        return anchor
+
+    def pool_max_idle(self) -> int:
+        """Most bytes the export pool keeps idle (one fragment)."""
+        return self._pool.max_idle_bytes
+
+    def drop_pool(self) -> None:
+        """Free the export pool's idle buffers and keep none from now on (after INIT, when
+        nothing on this rank exports through the pool again; exports then allocate afresh)."""
+        self._pool.max_idle_bytes = 0
+        self._pool.clear()
+
+    def free_anchors(self) -> None:
+        """Drop every anchor (after the final cut: nothing is pushed or blended any more)."""
+        self._anchors.clear()
+        self._anchored.clear()
+
+    def anchor_nbytes(self) -> int:
+        """Bytes of the anchors allocated so far (every piece's once all are)."""
+        return sum(a.numel() * 4 for a in self._anchors.values())
+
     def _anchor(self, h: _Hold, n: int) -> torch.Tensor:
         """The anchor slice of a held segment; apply receives the raw global straight into it."""
-        anchor = self._anchors.get(h.piece)
-        if anchor is None:
-            piece = self._pieces[h.piece]
-            anchor = self._anchors[h.piece] = torch.zeros(piece.end - piece.start, dtype=torch.float32)
-        return anchor[h.off : h.off + n]
+        return self.anchor_of(h.piece)[h.off : h.off + n]
 
     def _install(self, h: _Hold, n: int, alpha: float) -> None:
         """master <- alpha * master + (1 - alpha) * anchor (exactly the anchor when alpha == 0)."""
@@ -426,7 +451,9 @@ class FragmentTransfer:
             (seg.name, seg.shard.key(), seg.a) for d, items in route.apply.items() if d != self._sync for seg, _ in items
         }
         for seg, h in route.apply.get(self._sync, []):
-            self._anchor(h, seg.n).copy_(flat(seg))
+            dst, src = self._anchor(h, seg.n), flat(seg)
+            if dst.data_ptr() != src.data_ptr():  # a value received straight into the anchor
+                dst.copy_(src)
             self._install(h, seg.n, alpha)
             if (seg.name, seg.shard.key(), seg.a) not in primaries:
                 own += seg.n * 4

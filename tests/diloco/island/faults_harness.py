@@ -81,7 +81,7 @@ class Run:
         except FileNotFoundError:
             return []
         lines = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-        return [e for e in lines if "round" in e and "dropped" not in e]
+        return [e for e in lines if "pushed" in e and "dropped" not in e]  # commit lines only
 
     def kill_island(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)

@@ -1,0 +1,252 @@
+"""Host memory of sync: what an island and the syncer hold beyond the training loop itself.
+
+    python benchmarks/bench_memory.py [--model-mib 512] [--smoke]
+
+Real processes: a real ``yeto-syncer`` and two real one-process islands (Python API,
+``TorchLayout``) training a plain MLP with SGD on synthetic data; the baseline is the very
+same training process with sync off. Every process's VmRSS / VmHWM is read from /proc (the
+island's own peak: VmHWM; the syncer's: sampled by this process every 50 ms, since its RSS
+before any island joined is the reference). Each figure is a ratio over the model's fp32
+bytes M, measured in this run:
+
+| key | what | target |
+|---|---|---|
+| island_extra_over_model | (island peak − baseline peak) / M, 4 fragments, fp32 wire | ≤ 1.4 |
+| island_extra_over_model_8f | the same, 8 fragments | ≤ 1.25 |
+| island_extra_over_model_q4 | the same, q4 pushes with error feedback | ≤ 1.9 |
+| syncer_peak_over_model | (syncer peak − its RSS before any island joined) / M, momentum 0 | ≤ 1.3 |
+| syncer_peak_over_model_momentum | the same with --outer-momentum 0.9 | ≤ 2.3 |
+| released_after_final | (island peak − RSS after finish) / (island peak − baseline peak) | ≥ 0.9 |
+
+The last line printed is one JSON object with these keys (and the raw MiB figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench_memory")
+
+KEY = "bench-memory-key"
+
+
+def _status_kib(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` field in KiB (0 once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def _own_kib(field: str) -> int:
+    return _status_kib(os.getpid(), field)
+
+
+# ---------------------------------------------------------------------------- island process
+def run_island(args: argparse.Namespace) -> None:
+    """One island (or, with --no-sync, the baseline): train, finish, report memory as JSON."""
+    import torch
+
+    from diloco.config import IslandConfig
+    from diloco.hostmem import tune_island_malloc
+    from diloco.island.boundary import Island
+    from diloco.layout.torch_module import TorchLayout
+
+    torch.set_num_threads(1)
+    tune_island_malloc()  # the same heap profile with and without sync
+    torch.manual_seed(0)
+    layers = 32  # enough tensors for 8 fragments
+    width = max(64, int((args.model_mib * 2**20 / 4 / layers) ** 0.5) // 64 * 64)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    island = None
+    phases = {"model_kib": _own_kib("VmRSS")}
+    if not args.no_sync:
+        cfg = IslandConfig(sync_addr=args.addr, island_id=args.island, key=KEY, fragments=args.fragments,
+                           wire_dtype=args.wire_dtype, sync_rounds=True, tokens_per_step=8)
+        island = Island(cfg, TorchLayout(model, opt), tokens_per_step=8)
+        phases["built_kib"] = _own_kib("VmRSS")
+        island.start()
+        phases["started_kib"], phases["started_hwm_kib"] = _own_kib("VmRSS"), _own_kib("VmHWM")
+    data = torch.Generator().manual_seed(args.island)
+    for step in range(1, args.steps + 1):
+        x = torch.randn(8, width, generator=data)
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        if island is not None:
+            island.step_end(step, float(loss))
+        phases[f"step{step}_kib"] = _own_kib("VmRSS")
+    before_finish = _own_kib("VmRSS")
+    peak_training = _own_kib("VmHWM")
+    if island is not None:
+        island.finish()
+    out = {"model_bytes": model_bytes, "peak_kib": _own_kib("VmHWM"), "rss_after_kib": _own_kib("VmRSS"),
+           "rss_before_finish_kib": before_finish, "peak_training_kib": peak_training,
+           "sync_buffers": getattr(island, "sync_buffers", {}), "phases": phases}
+    Path(args.result).write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------- driver
+class _Sampler(threading.Thread):
+    """Samples one process's VmRSS every 50 ms; keeps the max (the syncer's VmHWM includes
+    its start-up, so its peak over its idle RSS is measured this way)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_kib, self._halt = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.peak_kib = max(self.peak_kib, _status_kib(self.pid, "VmRSS"))
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join(timeout=5)
+        return self.peak_kib
+
+
+def _island_cmd(args: argparse.Namespace, island: int, addr: str, result: Path, fragments: int, wire_dtype: str,
+                no_sync: bool = False) -> list[str]:
+    cmd = [sys.executable, __file__, "--role", "island", "--island", str(island), "--addr", addr,
+           "--result", str(result), "--fragments", str(fragments), "--wire-dtype", wire_dtype,
+           "--model-mib", str(args.model_mib), "--steps", str(args.steps)]
+    return cmd + (["--no-sync"] if no_sync else [])
+
+
+def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wire_dtype: str,
+            momentum: float) -> dict:
+    """One syncer + two islands; their memory figures in KiB."""
+    run = work / name
+    run.mkdir()
+    (run / "key").write_text(KEY)
+    sync_every = max(fragments, args.steps // 3)
+    syncer_log = open(run / "syncer.log", "w")
+    syncer = subprocess.Popen(
+        [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--islands", "2",
+         "--sync-every", str(sync_every), "--total-steps", str(args.steps), "--key-file", str(run / "key"),
+         "--outer-lr", "1.0", "--outer-momentum", str(momentum), "--checkpoint-dir", str(run / "ckpt"),
+         *shlex.split(args.syncer_args)],
+        stderr=syncer_log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"bound (tcp://\S+)", (run / "syncer.log").read_text())):
+            if syncer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the syncer did not start: {run}/syncer.log")
+            time.sleep(0.05)
+        time.sleep(0.3)
+        syncer_idle = _status_kib(syncer.pid, "VmRSS")
+        sampler = _Sampler(syncer.pid)
+        sampler.start()
+        islands = []
+        for i in range(2):
+            with open(run / f"island{i}.log", "w") as lf:
+                islands.append(subprocess.Popen(
+                    _island_cmd(args, i, m.group(1), run / f"island{i}.json", fragments, wire_dtype),
+                    stdout=lf, stderr=subprocess.STDOUT, start_new_session=True))
+        for i, p in enumerate(islands):
+            if p.wait(timeout=args.timeout_s) != 0:
+                tail = (run / f"island{i}.log").read_text()[-3000:]
+                raise RuntimeError(f"{name}: island {i} failed; its log ends:\n{tail}")
+        syncer.wait(timeout=120)
+        syncer_peak = sampler.stop()
+    finally:
+        for p in [syncer]:
+            if p.poll() is None:
+                p.kill()
+        syncer_log.close()
+    res = [json.loads((run / f"island{i}.json").read_text()) for i in range(2)]
+    log.info("%s: island peaks %s MiB, syncer idle %.0f peak %.0f MiB", name,
+             [round(r["peak_kib"] / 1024) for r in res], syncer_idle / 1024, syncer_peak / 1024)
+    return {"islands": res, "syncer_idle_kib": syncer_idle, "syncer_peak_kib": syncer_peak}
+
+
+def baseline(args: argparse.Namespace, work: Path) -> dict:
+    result = work / "baseline.json"
+    subprocess.run(_island_cmd(args, 0, "", result, 4, "float32", no_sync=True), check=True,
+                   timeout=args.timeout_s)
+    return json.loads(result.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-mib", type=float, default=512.0, help="fp32 model size")
+    p.add_argument("--steps", type=int, default=24, help="training steps (3 rounds per fragment at 4 fragments)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: the suite runs it")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--only", default="", help="comma-separated runs to measure (fp32_4f, fp32_8f, q4_4f, momentum); "
+                   "the keys of runs left out are null. Default: all")
+    p.add_argument("--syncer-args", default="", help="extra yeto-syncer flags for every run, e.g. "
+                   "'--max-open-rounds 1'")
+    p.add_argument("--role", default="driver", choices=["driver", "island"], help=argparse.SUPPRESS)
+    p.add_argument("--island", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--addr", default="", help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    p.add_argument("--fragments", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--wire-dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--no-sync", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.role == "island":
+        run_island(args)
+        return 0
+    if args.smoke:
+        args.model_mib, args.steps = 16.0, 8
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        work = Path(tmp)
+        base = baseline(args, work)
+        model = base["model_bytes"]
+        base_peak = base["peak_kib"] * 1024
+
+        plan = {"fp32_4f": (4, "float32", 0.0), "fp32_8f": (8, "float32", 0.0), "q4_4f": (4, "q4", 0.0),
+                "momentum": (4, "float32", 0.9)}
+        only = [n for n in args.only.split(",") if n] or list(plan)
+        unknown = sorted(set(only) - set(plan))
+        if unknown:
+            p.error(f"--only: unknown runs {unknown} (known: {sorted(plan)})")
+        runs = {name: measure(args, work, name, *plan[name]) for name in plan if name in only}
+    main_run = runs.get("fp32_4f")
+    released = None if main_run is None else min(
+        (r["peak_kib"] - r["rss_after_kib"]) / max(1, r["peak_kib"] - base["peak_kib"]) for r in main_run["islands"])
+
+    def extra(run: dict | None) -> float | None:
+        return None if run is None else round(max((r["peak_kib"] * 1024 - base_peak) / model for r in run["islands"]), 3)
+
+    def syncer(run: dict | None) -> float | None:
+        return None if run is None else round((run["syncer_peak_kib"] - run["syncer_idle_kib"]) * 1024 / model, 3)
+
+    out = {
+        "model_mib": round(model / 2**20, 1),
+        "baseline_peak_mib": round(base_peak / 2**20, 1),
+        "island_peak_mib": None if main_run is None else [round(r["peak_kib"] / 1024, 1) for r in main_run["islands"]],
+        "island_sync_buffers": None if main_run is None else main_run["islands"][0]["sync_buffers"],
+        "island_extra_over_model": extra(main_run),
+        "island_extra_over_model_8f": extra(runs.get("fp32_8f")),
+        "island_extra_over_model_q4": extra(runs.get("q4_4f")),
+        "syncer_peak_over_model": syncer(main_run),
+        "syncer_peak_over_model_momentum": syncer(runs.get("momentum")),
+        "released_after_final": None if released is None else round(released, 3),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

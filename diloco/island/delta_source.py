@@ -1,0 +1,99 @@
+"""A push's delta computed part by part while it is sent, instead of held whole.
+
+A fragment of a large model is gigabytes; materialising ``snapshot − anchor`` for a whole
+fragment before sending it costs one more fragment of host memory. When the sync rank
+holds every element of a fragment itself (a one-rank island, or every tensor whole on the
+sync rank), the client asks a :class:`DeltaSource` for part ``k`` just before it encodes
+it, and gets freshly computed deltas of that part only: memory is one part per part in
+flight.
+
+Contract: the snapshot and anchor views handed in must not change while the client may
+still read them, i.e. until the push's ``sent`` event is set. The island guarantees it:
+the snapshot slot is reused only after the fragment's commit is installed, and the anchor
+of a fragment is rewritten only by the staging of that fragment, which waits for the event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diloco.wire.parts import FragmentLayout
+
+__all__ = ["DeltaSource", "PartRing"]
+
+
+class DeltaSource:
+    """``snapshot − anchor`` of one fragment, by part, in plan order.
+
+    Args:
+        names: canonical tensor names in plan order.
+        snaps: for each tensor, the flat fp32 snapshot (θ_push) of the whole tensor.
+        anchors: for each tensor, the flat fp32 anchor of the whole tensor.
+    """
+
+    def __init__(self, names: Sequence[str], snaps: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor]) -> None:
+        if not len(names) == len(snaps) == len(anchors):
+            raise ValueError("DeltaSource: names, snapshots and anchors differ in length")
+        for s, a in zip(snaps, anchors):
+            if s.dim() != 1 or a.dim() != 1 or s.numel() != a.numel():
+                raise ValueError("DeltaSource: snapshots and anchors must be flat and of equal size")
+        self.names = tuple(names)
+        self._snaps = list(snaps)
+        self._anchors = list(anchors)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self._snaps)
+
+    def slice_part(self, layout: FragmentLayout, k: int, part_elems: int,
+                   out: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Part ``k``'s segments (name, flat fp32 delta), computed now; what
+        ``FragmentLayout.slice_part`` gives for materialised tensors. With ``out`` (a flat fp32
+        buffer of at least the part's length, e.g. one of the client's ring) the segments are
+        consecutive views of it, else fresh tensors."""
+        if layout.names != self.names:
+            raise ValueError("DeltaSource: the layout's tensors differ from the source's")
+        lo, hi = layout.part_range(k, part_elems)
+        if out is not None and (out.dtype != torch.float32 or out.numel() < hi - lo):
+            raise ValueError(f"DeltaSource: out holds {out.numel()} {out.dtype}, part {k} needs {hi - lo} float32")
+        segs, pos = [], 0
+        for i, a, b in layout.segments(lo, hi):
+            dst = None if out is None else out[pos : pos + b - a]
+            segs.append((self.names[i], torch.sub(self._snaps[i][a:b], self._anchors[i][a:b], out=dst)))
+            pos += b - a
+        return segs
+
+
+class PartRing:
+    """``size`` flat fp32 buffers of one part each, handed out round robin: where the client
+    computes a DeltaSource's parts. Safe when at most ``size − 1`` parts handed out earlier are
+    still read by the time the next is asked for (the client's send window: a part is computed
+    only when fewer than ``window`` parts are in flight, so ``size = window`` suffices).
+
+    Allocated at first use (the part size comes with WELCOME) and again if it changes: one
+    budget line, ``size × part bytes``, whatever the model or the number of fragments."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"PartRing: size must be >= 1, got {size}")
+        self.size = size
+        self._bufs: list[torch.Tensor] = []
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * 4 for b in self._bufs)
+
+    def take(self, part_elems: int) -> torch.Tensor:
+        """The next buffer (``part_elems`` fp32 elements)."""
+        if not self._bufs or self._bufs[0].numel() != part_elems:
+            self._bufs = [torch.empty(part_elems, dtype=torch.float32) for _ in range(self.size)]
+            self._next = 0
+        buf = self._bufs[self._next]
+        self._next = (self._next + 1) % self.size
+        return buf
+
+    def clear(self) -> None:
+        self._bufs = []
