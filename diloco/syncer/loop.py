@@ -14,17 +14,14 @@ received parts, the loop stops reading the socket until it drains (zmq then
 holds at most ``RCVHWM`` messages per island, and TCP throttles the senders), so
 memory stays bounded by the state, not by what islands send.
 
-Checkpoints are written on a background thread. Writing one of a large model
-takes minutes; a loop blocked that long would answer no heartbeat, and every
-island would give up on the syncer and redial. The snapshot shares the state's
-tensors (values are never written in place; momenta are written beside the old
-one if their fragment commits meanwhile), so it costs no extra memory in the
-usual case. The price: a BCAST of version v may reach islands before the
-checkpoint holding v is durable. A crash then rolls the islands back to the last
-checkpoint — a resumed syncer is a new syncer instance, whose cut every island
-installs whatever its version — which loses inner steps but never mixes states.
-At most one checkpoint is in flight; one that falls due meanwhile is written
-right after. The final checkpoint (and the one on SIGTERM) is synchronous.
+Checkpoints are written on a background thread (``ckptwriter.py``): a loop blocked for the
+minutes a large model takes would answer no heartbeat. The snapshot shares the state's tensors
+and the writer lets go of each fragment once it is on disk, so it costs no memory (momentum: the
+commit waits for that; a superseded value it still holds delays the next round, ``book.py``).
+The price: a BCAST of version v may reach islands before the checkpoint holding v is durable; a
+crash then rolls the islands back to the last checkpoint (a resumed syncer is a new instance,
+whose cut every island installs), which loses inner steps but never mixes states. At most one
+checkpoint is in flight; the final one (and the one on SIGTERM) is synchronous.
 
 Sends never block: the ROUTER uses ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
 peer that is gone (EHOSTUNREACH) or too slow (EAGAIN) loses that message,
@@ -44,7 +41,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import zmq
 
@@ -55,18 +52,16 @@ from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
 from diloco.syncer.links import LinkWatch
+from diloco.syncer.payloads import payload_source
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
 from diloco.syncer.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
-from diloco.wire import Bcast, Final, Limits, Payload, Pull, WireError, digest_seed, encode, open_message, seal
+from diloco.wire import Bcast, Final, Limits, Pull, WireError, digest_seed, encode, open_message, seal
 from diloco.wire.pacing import Pacer, Stream
 
 log = logging.getLogger(__name__)
-
-ENCODE_AHEAD = 2
-"""Parts of a bf16 stream encoded ahead of the one being sent (each held until the stream passes it)."""
 
 EXIT_OK = 0
 EXIT_FINAL_FAILED = 1
@@ -86,7 +81,8 @@ class LoopOptions:
         poll_ms: poll timeout when nothing is being streamed; bounds how late ``tick`` runs.
         max_batch: messages handled per iteration before ``tick`` and sends.
         sndhwm: per-peer send queue bound (messages); beyond it sends fail fast.
-        rcvhwm: per-peer receive queue bound (messages, each up to one part) zmq may hold for us.
+        rcvhwm: per-peer receive queue bound (messages, each up to one part) zmq may hold for us
+            (1 stalls the PLAIN handshake of HMAC mode: measured, no message is ever delivered).
         window: parts of one stream destination zmq may hold at once (``wire.pacing``).
         data_threads: data-plane workers (``--data-threads``).
         max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading;
@@ -104,7 +100,7 @@ class LoopOptions:
     poll_ms: int = 20
     max_batch: int = 64
     sndhwm: int = 1000
-    rcvhwm: int = 1
+    rcvhwm: int = 2
     window: int = 2
     data_threads: int = field(default_factory=default_threads)
     max_backlog_bytes: int = 128 << 20
@@ -285,27 +281,16 @@ class SyncerLoop:
         return tracker
 
     def _stream(self, o: OutStream) -> Stream | None:
-        """A paced stream of the parts of one BCAST/FINAL (encoded on the data plane if needed)."""
+        """A paced stream of the parts of one BCAST/FINAL (``payloads.py``: shared fp32 views, bf16 on demand)."""
         state = self.state
         frag = state.fragments[o.fragment]
         assert frag.layout is not None
         E = state.config.part_elems
         n = frag.layout.n_parts(E)
-        payload_of: Callable[[int], Payload | None]
-        parts = self._cache.entries.get((o.fragment, o.version, o.wire_dtype))
-        if parts is not None:
-            payload_of = parts.__getitem__
-        elif frag.version != o.version or frag.value is None or frag.committing and o.kind == "FINAL":
+        payload_of = payload_source(o, frag, E, state.digest_seed, self._cache, self.data.submit)
+        if payload_of is None:
             log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
             return None
-        elif o.wire_dtype == "float32":
-            parts = self._cache.entries[(o.fragment, o.version, o.wire_dtype)] = [None] * n
-            for k in range(n):
-                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, E,
-                                            self.state.digest_seed))
-            payload_of = parts.__getitem__
-        else:
-            payload_of = self._on_demand(o, frag.value, frag.layout, n)
         key_bytes = self.options.key
 
         def frames_of(k: int) -> list[Any] | None:
@@ -321,24 +306,6 @@ class SyncerLoop:
             return seal(header, payload, key=key_bytes, nonce=nonce, seq=seq)
 
         return Stream(n, frames_of, f"{o.kind} f{o.fragment} v{o.version}")
-
-    def _on_demand(self, o: OutStream, value: Any, layout: Any, n: int) -> Callable[[int], Payload | None]:
-        """Parts of one bf16 stream, encoded on the data plane as the stream reaches them (at most
-        :data:`ENCODE_AHEAD` ahead) and dropped once it moved past them: never a whole fragment's."""
-        ready: dict[int, Payload] = {}
-        asked = [0]
-        E, seed = self.state.config.part_elems, self.state.digest_seed
-
-        def payload_of(k: int) -> Payload | None:
-            for j in [j for j in ready if j < k]:
-                del ready[j]  # sent: zmq holds its frames until they are out
-            while asked[0] < min(n, k + ENCODE_AHEAD):
-                self.data.submit(EncodePart(o.fragment, o.version, o.wire_dtype, asked[0], value, layout, E, seed,
-                                            sink=ready))
-                asked[0] += 1
-            return ready.get(k)
-
-        return payload_of
 
     def _seal_control(self, o: Outgoing) -> list[Any]:
         """Frames of a control message stamped with the peer's session (at send time)."""
