@@ -405,8 +405,8 @@ class SyncerLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
-        # Received parts held for the data plane: one per worker plus the one being read, never more
-        # (each is --part-mib; zmq holds at most ``rcvhwm`` more per island).
+        # Received parts held for the data plane: at most one per worker (each up to --part-mib);
+        # zmq holds at most ``rcvhwm`` more per island.
         backlog_cap = min(self.options.max_backlog_bytes, self.data.threads * limits.max_message_bytes)
         try:
             while not self.state.finished:
@@ -429,7 +429,7 @@ class SyncerLoop:
                 self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
                 for _ in range(self.options.max_batch):
-                    if self.data.backlog_bytes > backlog_cap:
+                    if self.data.backlog_bytes >= backlog_cap:
                         break  # back-pressure: let the data plane catch up first
                     try:
                         outgoing.extend(self._receive(time.monotonic(), limits))

@@ -30,9 +30,13 @@ def test_a_round_waits_while_a_superseded_value_is_held(monkeypatch) -> None:
     assert d.st.book.live_bytes == frag_bytes  # the value
     one.open_round(d, 1)
     held = d.st.fragments[0].value  # as a BCAST stream or a checkpoint of version 0 would
+    held_bytes = held.clone()
     for i in range(3):
         d.send_all(one.peer(i), one.pushes(i, 1), now=1.0)
     assert d.st.versions() == (1,) and d.st.fragments[0].value is not held
+    # No torn value: a published value is never written again, so a reader of version 0 (a stream
+    # part not yet sent, a checkpoint) reads exactly version 0 while version 1 is made.
+    assert torch.equal(held, held_bytes)
     # value 1 + the held value 0 fill the budget (value + one sum): round 2 waits for the held one.
     assert d.st.book.live_bytes == 2 * frag_bytes == d.st.book.limit_bytes(d.st.fragments)
     _round_ready(d, 2, now=2.0)
