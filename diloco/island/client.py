@@ -39,19 +39,19 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 
-import msgspec
 import torch
 import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.delta_source import DeltaSource, PartRing
-from diloco.island.inbox import Inbox, PendingBcast, ReceiveTarget, SyncError, _Assembly
+from diloco.island.inbox import Inbox, ReceiveTarget, SyncError, _Assembly
 from diloco.island.liveness import Liveness
+from diloco.island.orders import PendingBcast
+from diloco.island.outbox import WINDOW, ClientStats, Outbox, Outgoing
 from diloco.security import secure_client
-from diloco.wire.pacing import Pacer, Stream
+from diloco.wire.pacing import Pacer
 
 log = logging.getLogger(__name__)
 
@@ -60,44 +60,8 @@ Tensors = list[tuple[str, torch.Tensor]]
 _POLL_MS = 50
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 10.0
-_WINDOW = 2
-"""Parts of our streams that zmq may hold at once (see ``diloco.wire.pacing``)."""
 
-
-@dataclass
-class ClientStats:
-    """Byte and message counters, read by the step log (monotonic; the reader diffs them).
-
-    ``data_*`` count tensor payload bytes (INIT/PUSH sent, BCAST/FINAL received);
-    ``control_*`` everything else (MACs, headers, heartbeats); ``bytes_*`` are the sums.
-    ``push_bytes_sent`` is the payload of PUSH parts only, in the wire dtype."""
-
-    bytes_sent: int = 0
-    bytes_recv: int = 0
-    data_bytes_sent: int = 0
-    data_bytes_recv: int = 0
-    control_bytes_sent: int = 0
-    control_bytes_recv: int = 0
-    push_bytes_sent: int = 0
-    messages_sent: int = 0
-    messages_recv: int = 0
-    pushes_dropped: int = 0
-    redials: int = 0
-    refused: int = 0
-
-
-@dataclass
-class _Outgoing:
-    """A control message, or (``tensors`` given) a fragment stream to cut into parts."""
-
-    header: wire.Header
-    tensors: Tensors | DeltaSource = field(default_factory=list)
-    wire_dtype: str | None = None
-    sent: threading.Event | None = None
-    stream: Stream | None = None
-
-
-class SyncClient(Inbox):
+class SyncClient(Inbox, Outbox):
     """One island's DEALER connection to the syncer, driven by a background thread.
 
     Args:
@@ -115,8 +79,8 @@ class SyncClient(Inbox):
         self._n_fragments = n_fragments = len(self._layouts)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._outbox: queue.Queue[_Outgoing] = queue.Queue(maxsize=config.send_queue)
-        self._control: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
+        self._outbox: queue.Queue[Outgoing] = queue.Queue(maxsize=config.send_queue)
+        self._control: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._rejoin = threading.Event()
         self.stats = ClientStats()
@@ -158,11 +122,11 @@ class SyncClient(Inbox):
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
         self._assembling: dict[tuple[str, int], _Assembly] = {}
-        self.ring = PartRing(_WINDOW)
-        """Where pushes computed part by part (DeltaSource) land: ``_WINDOW`` parts (I/O thread)."""
+        self.ring = PartRing(WINDOW)
+        """Where pushes computed part by part (DeltaSource) land: ``WINDOW`` parts (I/O thread)."""
         self.receive_target = receive_target
         """Where received values may land directly (the island's anchors), or None: pooled."""
-        self._streams: list[_Outgoing] = []
+        self._streams: list[Outgoing] = []
         self._thread = threading.Thread(target=self._run, name=f"yeto-client-{config.island_id}", daemon=True)
         self._thread.start()
 
@@ -193,7 +157,7 @@ class SyncClient(Inbox):
         done = threading.Event()
         header = wire.Init(island=self._cfg.island_id, generation=self._generation, fragment=fragment,
                            n_fragments=self._n_fragments)
-        self._outbox.put(_Outgoing(header, tensors, "float32", done), timeout=self._cfg.connect_timeout_s)
+        self._outbox.put(Outgoing(header, tensors, "float32", done), timeout=self._cfg.connect_timeout_s)
         return done
 
     def push(self, pull: wire.Pull, base_version: int, local_steps: int, tokens: int,
@@ -209,7 +173,7 @@ class SyncClient(Inbox):
                            local_steps=local_steps, tokens=tokens, n_parts=0 if local_steps == 0 else 1)
         done = threading.Event()
         try:
-            self._outbox.put_nowait(_Outgoing(header, delta if local_steps else [], self._cfg.wire_dtype, done))
+            self._outbox.put_nowait(Outgoing(header, delta if local_steps else [], self._cfg.wire_dtype, done))
         except queue.Full:
             self.stats.pushes_dropped += 1
             log.warning("island %d: send queue full, dropped push of fragment %d round %d attempt %d "
@@ -231,7 +195,7 @@ class SyncClient(Inbox):
                                digests=tuple(digests or ()))
         with self._lock:
             self._final_ack = header
-        self._control.put(_Outgoing(header))
+        self._control.put(Outgoing(header))
 
     def rejoin(self) -> None:
         """Redial under a new generation (the syncer then sends its whole current cut again):
@@ -313,11 +277,6 @@ class SyncClient(Inbox):
         with self._lock:
             return self._shutdown
 
-    @property
-    def generation(self) -> int:
-        with self._lock:
-            return self._generation
-
     def close(self, linger_s: float = 5.0) -> None:
         """Flush what is queued (up to ``linger_s``) and stop the I/O thread."""
         deadline = time.monotonic() + linger_s
@@ -328,20 +287,9 @@ class SyncClient(Inbox):
         self._thread.join(timeout=linger_s + 1.0)
 
     # ------------------------------------------------------------------ I/O thread
-    def _resend_final_ack(self) -> None:
-        """Queue our FINAL_ACK again (a redial after we acknowledged: the syncer forgot it)."""
-        assert self._final_ack is not None
-        self._control.put(_Outgoing(self._final_ack))
-
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise SyncError(self._fatal)
-
-    def _enqueue_heartbeat(self) -> None:
-        with self._lock:
-            hb = wire.Heartbeat(island=self._cfg.island_id, generation=self._generation, step=self._step,
-                                done=self._done, **self.liveness.report())
-        self._control.put(_Outgoing(hb))
 
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
         gen = random.getrandbits(63) or 1
@@ -432,26 +380,6 @@ class SyncClient(Inbox):
             sock.close(linger=0)
             ctx.term()
 
-    def _new_pacer(self, sock: zmq.Socket) -> Pacer:
-        def send(_dest: bytes, frames: list, track: bool) -> object:
-            return sock.send_multipart(frames, copy=False, track=track, flags=zmq.NOBLOCK)
-
-        pacer = Pacer(_WINDOW, send)
-        # INIT streams survive a redial (restarted from part 0); pushes do not: the syncer
-        # pulls again once it knows our new generation.
-        keep = []
-        for out in self._streams:
-            if isinstance(out.header, wire.Init) and out.stream is not None:
-                out.stream = self._make_stream(out)
-                pacer.add(b"", out.stream)
-                keep.append(out)
-            else:
-                out.stream, out.tensors = None, []
-                if out.sent is not None:
-                    out.sent.set()
-        self._streams = keep
-        return pacer
-
     def _redial(self, ctx: zmq.Context, sock: zmq.Socket, delay_s: float) -> tuple[zmq.Socket, Pacer]:
         sock.close(linger=0)
         self.stats.redials += 1
@@ -468,99 +396,6 @@ class SyncClient(Inbox):
         sock = self._new_socket(ctx)
         return sock, self._new_pacer(sock)
 
-    def _make_stream(self, out: _Outgoing) -> Stream:
-        """Cut a queued INIT/PUSH into parts; each part's header carries the current generation."""
-        layout = self._layouts[out.header.fragment]  # type: ignore[union-attr]
-        E = self._part_elems
-        n = layout.n_parts(E)
-        schema = tuple(zip(layout.names, layout.shapes))
-
-        def frames_of(k: int) -> list:
-            if isinstance(out.header, wire.Init):
-                header: wire.Header = msgspec.structs.replace(
-                    out.header, generation=self.generation, part=k, n_parts=n, schema=schema if k == 0 else ())
-            else:
-                header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
-            if isinstance(out.header, wire.Push) and self._feedback is not None:
-                payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
-            else:
-                payload = wire.encode_payload(_part_of(out.tensors, layout, k, E, self.ring), wire_dtype=out.wire_dtype,
-                                              seed=self._seed)
-            if isinstance(out.header, wire.Push):
-                self.stats.push_bytes_sent += payload.nbytes
-            return self._seal(header, payload)
-
-        return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
-
-    def _seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
-        """Frames of one message of this connection: session nonce and the next sequence number,
-        taken at send time (the I/O thread seals each message just before zmq gets it)."""
-        self._send_seq += 1
-        return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
-
-    def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors | DeltaSource,
-                        k: int) -> wire.Payload:
-        """Part ``k`` of a push as block-quantized codes + bf16 scales, with error feedback: the
-        rounding of this part is carried into the fragment's next push (``diloco.quant``)."""
-        assert self._feedback is not None
-        lo, hi = layout.part_range(k, self._part_elems)
-        if isinstance(tensors, DeltaSource):  # computed into one ring buffer: already contiguous
-            buf = self.ring.take(self._part_elems)
-            tensors.slice_part(layout, k, self._part_elems, out=buf)
-            flat = buf[: hi - lo]
-        else:
-            segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
-            flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
-        codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
-        return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed)
-
-    def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
-        """Send control messages at once, start queued streams, top up the stream window."""
-        while self._welcome is not None:  # a message before WELCOME has no session: it would be refused
-            try:
-                ctl = self._control.get_nowait()
-            except queue.Empty:
-                break
-            self._send_control(sock, self._restamp(ctl.header), ctl)
-        while self._welcome is not None and len(self._streams) < 2:
-            try:
-                out = self._outbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(out.header, wire.Push) and out.header.n_parts == 0:
-                self._send_control(sock, self._restamp(out.header), out)  # zero weight: no tensors
-                continue
-            out.stream = self._make_stream(out)
-            pacer.add(b"", out.stream)
-            self._streams.append(out)
-        before = {id(o.stream): (o.stream.data_bytes, o.stream.control_bytes) for o in self._streams if o.stream}
-        pacer.pump()
-        still = []
-        for out in self._streams:
-            assert out.stream is not None
-            d0, c0 = before.get(id(out.stream), (0, 0))
-            self._count_sent(out.stream.data_bytes - d0, out.stream.control_bytes - c0)
-            if out.stream.done.is_set():
-                self.stats.messages_sent += out.stream.n_parts
-                # Break the out <-> stream cycle now, so the tensors die by refcount (the caller
-                # bounds memory by waiting on ``sent``), not at the next garbage collection.
-                out.stream, out.tensors = None, []
-                if out.sent is not None:
-                    out.sent.set()
-            else:
-                still.append(out)
-        self._streams = still
-
-    def _send_control(self, sock: zmq.Socket, header: wire.Header, out: _Outgoing) -> None:
-        frames = self._seal(header)
-        sock.send_multipart(frames, copy=False)
-        if isinstance(header, wire.Heartbeat):
-            self.liveness.on_heartbeat_sent(time.monotonic())
-        self.stats.messages_sent += 1
-        self._count_sent(0, sum(len(memoryview(f)) for f in frames))
-        if out.sent is not None:
-            out.sent.set()
-
     def _on_progress(self, h: wire.Progress) -> None:
         """A PROGRESS notice (inbox, I/O thread): counted by the progress clocks, refused if malformed."""
         problem = self.liveness.on_progress(h, time.monotonic())
@@ -568,32 +403,4 @@ class SyncClient(Inbox):
             self.stats.refused += 1
             log.warning("island %d: refused %s", self._cfg.island_id, problem)
 
-    def _count_sent(self, data: int, control: int) -> None:
-        self.liveness.on_sent(data, time.monotonic())
-        self.stats.data_bytes_sent += data
-        self.stats.control_bytes_sent += control
-        self.stats.bytes_sent += data + control
 
-    def _restamp(self, header: wire.Header) -> wire.Header:
-        """Stamp the current generation on an island message at send time.
-
-        HELLO goes first on every new socket and a DEALER connection keeps order, so the
-        syncer has bound the new generation before it sees anything stamped with it.
-        """
-        with self._lock:
-            gen = self._generation
-            if isinstance(header, wire.Heartbeat):
-                return wire.Heartbeat(island=self._cfg.island_id, generation=gen, step=self._step, done=self._done,
-                                      **self.liveness.report())
-        if isinstance(header, (wire.Init, wire.Push, wire.FinalAck)):
-            return msgspec.structs.replace(header, generation=gen)
-        return header
-
-
-def _part_of(tensors: Tensors | DeltaSource, layout: wire.FragmentLayout, k: int, part_elems: int,
-             ring: PartRing) -> list[tuple[str, torch.Tensor]]:
-    """Part ``k``'s segments: views of materialised tensors, or computed now by a DeltaSource
-    into the next buffer of ``ring`` (consecutive views of it)."""
-    if isinstance(tensors, DeltaSource):
-        return tensors.slice_part(layout, k, part_elems, out=ring.take(part_elems))
-    return layout.slice_part(tensors, k, part_elems)

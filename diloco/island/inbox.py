@@ -23,11 +23,12 @@ import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals
 
 if TYPE_CHECKING:
-    from diloco.island.client import ClientStats
     from diloco.island.liveness import Liveness
+    from diloco.island.outbox import ClientStats
 
 log = logging.getLogger("diloco.island.client")
 
@@ -45,17 +46,6 @@ previous process of this island id may just have died: its binding lapses after 
 
 class SyncError(RuntimeError):
     """The syncer refused this island for good (e.g. a layout fingerprint mismatch)."""
-
-
-@dataclass
-class PendingBcast:
-    """The newest not-yet-applied global value of one fragment."""
-
-    fragment: int
-    version: int
-    round: int
-    cut: bool
-    tensors: Tensors
 
 
 ReceiveTarget = Callable[[int, str], "list[torch.Tensor] | None"]

@@ -25,9 +25,11 @@ from diloco.config import IslandConfig
 from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
 from diloco.island.background import Background
-from diloco.island.client import PendingBcast, SyncClient, SyncError
+from diloco.island.client import SyncClient, SyncError
 from diloco.island.datapath import DataPath
-from diloco.island.orders import Orders, broadcast_orders
+from diloco.island.exchange import broadcast_orders
+from diloco.island.orders import Orders
+from diloco.island.planner import Planner
 from diloco.island.transfer import FragmentTransfer
 from diloco.plan import FragmentPlan
 from diloco.steplog import BoundaryRecord, StepLog
@@ -54,20 +56,17 @@ class StartFinish:
     sync_buffers: dict[str, int]
     bg: Background
     client: SyncClient | None
-    versions: list[int]
+    planner: Planner
     step: int
     _tokens_given: bool
-    _pending: dict[int, PendingBcast]
-    _staging: dict
-    _snap_round: dict[int, int]
     _steplog: StepLog | None
-    _schedule: tuple[int, int]
 
     if TYPE_CHECKING:
+        @property
+        def versions(self) -> list[int]: ...
         def _raise_if(self, orders: Orders) -> None: ...
         def _fail(self, why: str) -> NoReturn: ...
         def _collect(self) -> None: ...
-        def _take_applies(self) -> list[tuple[int, int, int, bool]]: ...
         def _apply_sync(self, orders: Orders, events: list[dict]) -> float: ...
         def _exchange(self, orders: Orders | None) -> Orders: ...
         def _execute(self, orders: Orders, events: list[dict]) -> tuple[float, float]: ...
@@ -95,7 +94,7 @@ class StartFinish:
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
-                self._schedule = (welcome.sync_every, welcome.total_steps)
+                self.planner.schedule = (welcome.sync_every, welcome.total_steps)
                 if welcome.weighting == "tokens" and not self._tokens_given:
                     raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
                                     "not know its tokens per step: pass Island(tokens_per_step=...) or set "
@@ -169,7 +168,7 @@ class StartFinish:
             if self.is_sync:
                 assert self.client is not None
                 try:
-                    have = [f for f in range(self.plan.n_fragments) if self.versions[f] >= 0 or f in self._pending]
+                    have = [s for s in self.planner.slots if s.version >= 0 or s.pending is not None]
                     if len(have) != had:
                         progress_at, had = time.monotonic(), len(have)
                     elif time.monotonic() - max(progress_at, self.client.liveness.cut_progress_at) > \
@@ -182,9 +181,9 @@ class StartFinish:
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()
-                    orders = Orders(applies=self._take_applies())
-                    got = {f for f, *_ in orders.applies} | {f for f in range(self.plan.n_fragments)
-                                                            if self.versions[f] >= 0}
+                    orders = Orders(applies=self.planner.pending_values())
+                    got = {v.fragment for v in orders.applies} | {s.fragment for s in self.planner.slots
+                                                                 if s.version >= 0}
                     if len(got) == self.plan.n_fragments:
                         orders.stop = "cut installed"
                     elif time.monotonic() >= deadline:
@@ -197,7 +196,7 @@ class StartFinish:
             self._raise_if(orders)
             apply_s += self._apply_sync(orders, events)
             if self.is_sync and orders.applies:
-                done = sum(v >= 0 for v in self.versions)
+                done = sum(s.version >= 0 for s in self.planner.slots)
                 log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
                          timeout_s - max(0.0, deadline - time.monotonic()))
             if orders.stop:
@@ -249,8 +248,7 @@ class StartFinish:
         if not self.bg.drain():
             self.bg.fail(f"background jobs did not finish within {self.cfg.transfer_timeout_s:.0f}s before {why}")
         self._exchange(Orders() if self.is_sync else None)
-        self._staging.clear()
-        self._snap_round.clear()
+        self.planner.drained()
         if not self.data.release_all(self.cfg.transfer_timeout_s):
             log.warning("island %d: a push was still being sent before %s", self.cfg.island_id, why)
 
@@ -302,7 +300,7 @@ class StartFinish:
         # Every rank learns the final versions from one broadcast (the manifest).
         vers = torch.tensor(versions, dtype=torch.int64)
         dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
-        self.versions = [int(v) for v in vers]
+        self.planner.final_installed([int(v) for v in vers])
         if self.is_sync and self.client is not None:
             self.client.send_final_ack(self.versions, digests)
             self.client.pool.clear()

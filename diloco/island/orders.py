@@ -1,44 +1,69 @@
-"""Orders: what the sync rank tells every rank of its island to do at one boundary.
+"""The records between the island's client, its planner and its executor.
 
-Only the sync rank talks to the syncer, but applies and exports are collectives: every
-rank must run the same ones in the same order, or the island deadlocks. So the sync rank
-decides, encodes the decision as :class:`Orders`, and broadcasts it over the island's CPU
-group; every rank then executes exactly that list.
+* :class:`PendingBcast` — a global value of one fragment the client received and parked (in);
+* :class:`Orders` — what the sync rank's planner decided for one boundary, which every rank of
+  the island carries out in the same order (out). Its parts are named records: :class:`Value`
+  (a fragment's global value to stage or install) and :class:`PushOrder` (a pull to answer).
 
-The broadcast is two-step so that an idle boundary costs one 16-byte broadcast: a fixed
-``int64[2]`` header ``(payload length, 0)`` and, only when the length is non-zero, the JSON
-payload as a ``uint8`` tensor. JSON, not pickle: the payload is plain numbers and strings.
+Pure records: nothing here does I/O. Orders travel between the ranks as JSON with named
+fields (``msgspec``), decoded with type validation (``Orders.from_json``), never pickle; the
+collectives that carry them are ``diloco.island.exchange``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import msgspec
 import torch
-import torch.distributed as dist
 
-from diloco.layout.base import group_rank
-
-_MAX_ORDERS_BYTES = 1 << 20
+Tensors = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
-class Orders:
-    """One boundary's decisions, identical on every rank after :func:`broadcast_orders`."""
+class PendingBcast:
+    """The newest not-yet-applied global value of one fragment (sync rank; owns ``tensors``)."""
 
-    applies: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    """(fragment, version, round, cut) to install, in this order, before any push. At a step
-    boundary these are fragments already staged on every rank (background scatter done)."""
+    fragment: int
+    version: int
+    round: int
+    cut: bool
+    tensors: Tensors
 
-    stages: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    """(fragment, version, round, cut) whose global value the background starts scattering
-    to the ranks now (installed at a later boundary, by ``applies``)."""
 
-    pushes: list[tuple[int, int, int]] = field(default_factory=list)
-    """(fragment, round, attempt) to export and push."""
+class Value(msgspec.Struct, frozen=True):
+    """A global value of one fragment: staged now, or installed (written into the masters)."""
 
-    stale: list[int] = field(default_factory=list)
+    fragment: int
+    version: int
+    round: int
+    cut: bool
+    """A cut (initial, rejoin): installed as it is, and it resets the fragment's round floor."""
+
+
+class PushOrder(msgspec.Struct, frozen=True):
+    """Snapshot fragment ``fragment`` now and push ``master − anchor`` answering this pull."""
+
+    fragment: int
+    round: int
+    attempt: int
+
+
+class Orders(msgspec.Struct):
+    """One boundary's decisions, identical on every rank after the exchange."""
+
+    applies: list[Value] = msgspec.field(default_factory=list)
+    """Values to install, in this order, before any push. At a step boundary these are
+    fragments already staged on every rank (background scatter done)."""
+
+    stages: list[Value] = msgspec.field(default_factory=list)
+    """Values whose background scatter to the ranks starts now (installed at a later boundary,
+    by ``applies``)."""
+
+    pushes: list[PushOrder] = msgspec.field(default_factory=list)
+    """Pulls to answer: snapshot, then export and push in the background."""
+
+    stale: list[int] = msgspec.field(default_factory=list)
     """Fragments whose outstanding push the syncer refused as ``stale_base`` (it missed a value):
     the value it resends is installed keeping the progress since that push's snapshot."""
 
@@ -64,81 +89,11 @@ class Orders:
                     or self.stop or self.error)
 
     def to_json(self) -> bytes:
-        """The JSON bytes broadcast to the other ranks (never pickle)."""
-        return json.dumps({"a": self.applies, "g": self.stages, "p": self.pushes, "t": self.stale, "h": self.hold,
-                           "i": self.init, "f": self.final, "s": self.stop, "e": self.error}).encode()
+        """The JSON bytes broadcast to the other ranks (named fields; never pickle)."""
+        return msgspec.json.encode(self)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Orders:
-        """Parse what :meth:`to_json` wrote, converting every field to its type."""
-        d = json.loads(raw)
-        return cls(applies=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["a"]],
-                   stages=[(int(f), int(v), int(r), bool(c)) for f, v, r, c in d["g"]],
-                   pushes=[(int(f), int(r), int(a)) for f, r, a in d["p"]],
-                   stale=[int(f) for f in d.get("t", [])], hold=bool(d.get("h", False)),
-                   init=bool(d["i"]), final=bool(d["f"]), stop=d["s"], error=d["e"])
-
-
-@dataclass(frozen=True)
-class Status:
-    """What every rank learns about the background worker at one exchange (identical everywhere)."""
-
-    done_everywhere: int
-    """Highest background job number completed on every rank."""
-    failed_rank: int
-    """Highest rank whose background worker reported a failure; -1 when none did."""
-
-
-def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, done: int,
-                    failed: bool) -> tuple[Orders, Status]:
-    """Like :func:`broadcast_orders`, and agree on the background workers' state, in one
-    all-reduce of an ``int64[4]`` header (an idle boundary costs that one small collective).
-
-    Every field is reduced with MAX: ``(payload length, -done, failed rank + 1, 0)``, where
-    only ``src`` contributes a length, so MAX of ``-done`` is ``-min(done)``.
-    """
-    me = group_rank(group)
-    is_src = me == src
-    head = torch.zeros(4, dtype=torch.int64)
-    payload = _payload(orders) if is_src else b""
-    head[0] = len(payload)
-    head[1] = -done
-    head[2] = me + 1 if failed else 0
-    dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-    status = Status(done_everywhere=-int(head[1]), failed_rank=int(head[2]) - 1)
-    n = int(head[0])
-    if n == 0:
-        return Orders(), status
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, group=group, group_src=src)
-    out = orders if is_src and orders is not None else Orders.from_json(buf.numpy().tobytes())
-    return out, status
-
-
-def _payload(orders: Orders | None) -> bytes:
-    """The JSON of the source's orders (empty when idle), bounded."""
-    assert orders is not None
-    if orders.is_idle():
-        return b""
-    payload = orders.to_json()
-    if len(payload) > _MAX_ORDERS_BYTES:
-        raise ValueError(f"orders of {len(payload)} bytes exceed {_MAX_ORDERS_BYTES}")
-    return payload
-
-
-def broadcast_orders(orders: Orders | None, group: dist.ProcessGroup, src: int) -> Orders:
-    """Send ``orders`` from group rank ``src`` to every rank of ``group``; return them everywhere.
-
-    ``orders`` is only read on ``src``. Idle orders cost one small broadcast.
-    """
-    is_src = group_rank(group) == src
-    head = torch.zeros(2, dtype=torch.int64)
-    payload = _payload(orders) if is_src else b""
-    head[0] = len(payload)
-    dist.broadcast(head, group=group, group_src=src)
-    n = int(head[0])
-    if n == 0:
-        return Orders()
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, group=group, group_src=src)
-    return orders if is_src and orders is not None else Orders.from_json(buf.numpy().tobytes())
+        """Parse what :meth:`to_json` wrote; raises ``msgspec.ValidationError`` on a field of the
+        wrong type or an unknown shape."""
+        return msgspec.json.decode(raw, type=cls)
