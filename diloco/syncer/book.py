@@ -1,18 +1,22 @@
 """Where the syncer's memory goes: the buffers of the fragments' state, allocated and accounted here.
 
-Every buffer that grows with the model is one of four kinds, each with a budget
+Every buffer that grows with the model is one of three kinds, each with a budget
 (docs/ARCHITECTURE.md, "Memory"), logged with its size once the fragments are known:
 
-* ``values``: one fp32 value per fragment (4 B/param), always;
+* ``values``: one fp32 value per fragment (4 B/param), always; a published value is never
+  written again (a commit writes the next value where the round's sum was);
 * ``momentum``: one fp32 buffer per fragment, only with ``--outer-momentum > 0``, allocated
   zero (lazily mapped pages) by the first commit that needs it and updated in place;
-* ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments;
-  a committed sum becomes the fragment's next value, and the old value is freed;
-* ``ring``: idle part-sized buffers of the pool, at most :data:`IDLE_PARTS` parts.
+* ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments.
 
-Broadcast payloads are fp32 views of the value (no copy) or one bf16 part encoded on demand;
-nothing else is cached per fragment.  Fresh buffers are ``numpy.empty`` arrays: above glibc's
-mmap threshold they are their own mappings, so a freed fragment buffer goes back to the OS.
+Beyond these, only parts: received parts held for the data plane (one per worker, plus zmq's
+``RCVHWM`` per island) and a few bf16 parts per stream encoded on demand (``payloads.py``).
+
+The budget is kept by counting, not by trusting every reader: each buffer counts in
+:attr:`FragmentBook.live_bytes` until the last tensor over it dies, so a superseded value a
+BCAST stream or the checkpoint writer still reads counts too, and the next round opens only
+when its sum fits (``rounds._sum_fits``). Buffers are ``numpy`` arrays of their own (never
+pooled): above glibc's mmap threshold each is its own mapping, given back to the OS when freed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ OVER_BUDGET_WAIT_S = 30.0
 """Longest a round waits to open for superseded fragment buffers to be let go (``rounds._sum_fits``)."""
 
 IDLE_PARTS = 4
-"""Idle buffers the pool keeps, in parts (``--part-mib`` each): a freed fragment-sized buffer is freed."""
+"""Idle part-sized buffers the state's pool may keep (``--part-mib`` each); fragment buffers never go there."""
 
 
 class FragmentBook:
@@ -42,7 +46,7 @@ class FragmentBook:
 
     Args:
         config: the syncer's settings (momentum, part size, open rounds).
-        pool: the pool fragment buffers come from; its idle bytes are capped at
+        pool: the state's pool of part-sized buffers; its idle bytes are capped at
             :data:`IDLE_PARTS` parts (set here).
     """
 
@@ -109,13 +113,11 @@ class FragmentBook:
             "values": sum(sizes),
             "momentum": momentum,
             "sums": min(self.config.max_open_rounds, len(sizes)) * largest,
-            "ring": self.pool.max_idle_bytes,
         }
 
     def limit_bytes(self, fragments: list[FragmentRecord]) -> int:
         """Most bytes of fragment-sized buffers alive at once: values, momentum, ``--max-open-rounds`` sums."""
-        b = self.budget(fragments)
-        return b["values"] + b["momentum"] + b["sums"]
+        return sum(self.budget(fragments).values())
 
     def log_budget(self, fragments: list[FragmentRecord]) -> None:
         """Log each buffer kind with its size, once every fragment's size is known."""
@@ -123,10 +125,11 @@ class FragmentBook:
             return
         self._logged = True
         b = self.budget(fragments)
-        log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d), "
-                 "ring <= %.1f MiB (%d parts); total <= %.1f MiB", b["values"] / 2**20, b["momentum"] / 2**20,
+        log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d); "
+                 "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 1 per data-plane worker held "
+                 "at once)", b["values"] / 2**20, b["momentum"] / 2**20,
                  "" if b["momentum"] else " (--outer-momentum 0: none)", b["sums"] / 2**20,
-                 self.config.max_open_rounds, b["ring"] / 2**20, IDLE_PARTS, sum(b.values()) / 2**20)
+                 self.config.max_open_rounds, sum(b.values()) / 2**20, self.config.part_elems * 4 / 2**20)
 
 
 def zeros(numel: int) -> torch.Tensor:

@@ -91,7 +91,8 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards)
         self.flush_hyper = OuterHyper(lr=1.0, momentum=0.0) if config.flush_merge == "mean" else self.hyper
         """The flush rounds' step: the plain weighted mean by default (``--flush-merge``)."""
         self.pool = HostBufferPool()
-        """Sum / value / momentum buffers; idle ones capped at a few parts (``book.IDLE_PARTS``)."""
+        """Part-sized buffers, idle ones capped at a few parts (``book.IDLE_PARTS``); fragment buffers
+        (values, sums, momenta) come from the book, never from here."""
         self.book = FragmentBook(config, self.pool)
         self.merge_stats: tuple[float, float] | None = None
         """(GB/s, seconds) of the last commit: fragment bytes over its commit time."""
