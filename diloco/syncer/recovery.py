@@ -17,6 +17,7 @@ import torch
 
 from diloco.protocol import refusals
 from diloco.syncer.book import zeros
+from diloco.syncer.kernels import BLOCK, absmax
 from diloco.syncer.checks import Refused
 from diloco.syncer.fields import StateFields
 from diloco.syncer.gate import Gate
@@ -237,11 +238,14 @@ class Recovery(StateFields):
             last = snap.next_round - 1 - ((snap.next_round - 2 - idx) % snap.n_fragments)
             n_parts = layout.n_parts(self.config.part_elems)
             momentum = self.book.adopt(fs.momentum.contiguous()) if self.config.outer_momentum > 0 else None
-            # Magnitudes unknown until the first commit: it writes its momentum beside the old one.
-            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=self.book.adopt(fs.value.contiguous()),
-                                        momentum=momentum, version=fs.version, initialised=True,
-                                        round=max(0, last), value_absmax=[float("inf")] * n_parts,
-                                        momentum_absmax=[float("inf")] * n_parts))
+            # Magnitudes measured once here (the commit's overflow bound needs them, or its first commit
+            # would write the momentum beside the old one: one more fragment buffer).
+            value = self.book.adopt(fs.value.contiguous())
+            frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=value,
+                                        momentum=momentum, version=fs.version, initialised=True, round=max(0, last),
+                                        value_absmax=part_absmax(value, layout, self.config.part_elems),
+                                        momentum_absmax=part_absmax(momentum, layout, self.config.part_elems)
+                                        if momentum is not None else [0.0] * n_parts))
         for island, led in snap.ledgers.items():
             if 0 <= island < self.config.islands:
                 ledger = self.islands[island].ledger
@@ -254,3 +258,12 @@ class Recovery(StateFields):
         self._size_pool()
         self.next_open = self.next_commit = snap.next_round
         log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(self.versions()), snap.next_round)
+
+
+def part_absmax(t: torch.Tensor, layout: FragmentLayout, part_elems: int) -> list[float]:
+    """``max |t|`` over each part of a flat fragment tensor (``inf`` where not finite), block by block."""
+    out = []
+    for k in range(layout.n_parts(part_elems)):
+        lo, hi = layout.part_range(k, part_elems)
+        out.append(max((absmax(t[a:min(hi, a + BLOCK)]) for a in range(lo, hi, BLOCK)), default=0.0))
+    return out

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diloco.syncer import rounds as round_rules
+from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
 
 import test_parts_state as one  # one fragment, momentum 0.9, three islands, quorum 2
@@ -94,3 +95,21 @@ def test_buffers_are_counted_until_the_last_view_dies() -> None:
     assert book.live_bytes == before + (1 << 18)
     del view
     assert book.live_bytes == before
+
+
+def test_a_resumed_state_knows_its_magnitudes_so_its_first_commit_updates_momentum_in_place(tmp_path) -> None:
+    d = one.started()
+    one.open_round(d, 1)
+    for i in range(3):
+        d.send_all(one.peer(i), one.pushes(i, 1), now=1.0)
+    assert d.st.versions() == (1,) and d.st.fragments[0].momentum is not None
+    store = CheckpointStore(tmp_path)
+    snap = store.load(store.save(d.st.snapshot()))
+    st = SyncerState(d.st.config, snapshot=snap)
+    f = st.fragments[0]
+    E = st.config.part_elems
+    for k in range(f.layout.n_parts(E)):
+        lo, hi = f.layout.part_range(k, E)
+        assert f.value_absmax[k] == float(f.value[lo:hi].abs().max())
+        assert f.momentum_absmax[k] == float(f.momentum[lo:hi].abs().max())
+    assert st.book.live_bytes == 2 * f.layout.numel * 4  # value and momentum, counted
