@@ -97,11 +97,13 @@ class Merge(StateFields):
             self._start_commit(r, now, out)
 
     def _waits_for_checkpoint(self, r: RoundRecord, now: float) -> bool:
-        """With momentum, a commit updates it in place: it waits until the checkpoint in flight has
-        written the fragment (``pinned``), at most :data:`PIN_WAIT_S`; after that it writes the new
-        momentum beside the old one (one more fragment buffer until the checkpoint lets go)."""
+        """With momentum, a commit updates it in place, but the checkpoint in flight may still have to
+        write the fragment (``pinned``): then the new momentum goes beside the old one if that buffer
+        fits the memory budget (``rounds._fits``: the next round then waits for it instead), else the
+        commit waits for the writer, at most :data:`PIN_WAIT_S`, and after that writes it beside anyway."""
         hyper = self.flush_hyper if r.flush else self.hyper
-        if hyper.momentum <= 0 or r.fragment not in self.pinned:
+        if (hyper.momentum <= 0 or r.fragment not in self.pinned or self.fragments[r.fragment].momentum is None
+                or self._fits(r.fragment)):
             r.pin_wait_since = None
             return False
         if r.pin_wait_since is None:
@@ -124,6 +126,7 @@ class Merge(StateFields):
         E = self.config.part_elems
         n = frag.layout.n_parts(E)
         r.new_momentum = None
+        fresh = frag.momentum is None  # a snapshot holds zeros of its own, not this buffer
         if hyper.momentum > 0:
             self.book.ensure_momentum(frag)
         # Bounds of the result per part, from the bounds of sum, value and momentum: below FLT_MAX
@@ -133,7 +136,7 @@ class Merge(StateFields):
         r.commit_bounds = [step_bounds(r.sum.absmax[k], float(total), frag.value_absmax[k], m_in[k], hyper.lr, mu)
                            for k in range(n)]
         proven = all(v < FLT_MAX and m < FLT_MAX for v, m in r.commit_bounds)
-        if mu > 0 and (r.fragment in self.pinned or not proven):
+        if mu > 0 and (r.fragment in self.pinned and not fresh or not proven):
             # A checkpoint in flight reads the momentum, or nothing proves the step finite: write
             # it beside the old one, so that a non-finite result changes nothing.
             assert frag.layout is not None

@@ -78,14 +78,19 @@ class RoundClock(StateFields):
             self._open(self.next_open, fragment, members, now, out, flush=True)
             log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))
 
+    def _fits(self, fragment: int) -> bool:
+        """Whether one more buffer of ``fragment``'s size fits the fragment buffers' budget, counting the
+        buffers alive now and the sums of open rounds that are still to be allocated."""
+        sizes = {f.index: f.layout.numel * 4 for f in self.fragments if f.layout is not None}
+        pending = sum(sizes.get(r.fragment, 0) for r in self.rounds.values() if r.sum is None)
+        return self.book.live_bytes + pending + sizes.get(fragment, 0) <= self.book.limit_bytes(self.fragments)
+
     def _sum_fits(self, fragment: int, now: float) -> bool:
         """Whether a new round of ``fragment`` fits the fragment buffers' budget (``book.FragmentBook``):
         the buffers alive now (a superseded value a stream or a checkpoint still reads counts until
         it is let go), the sums of open rounds still to be allocated, and this round's sum. A round
         that does not fit waits, at most ``book.OVER_BUDGET_WAIT_S``, then opens with a warning."""
-        sizes = {f.index: f.layout.numel * 4 for f in self.fragments if f.layout is not None}
-        pending = sum(sizes.get(r.fragment, 0) for r in self.rounds.values() if r.sum is None)
-        if self.book.live_bytes + pending + sizes.get(fragment, 0) <= self.book.limit_bytes(self.fragments):
+        if self._fits(fragment):
             self.over_budget_since = None
             return True
         if self.over_budget_since is None:

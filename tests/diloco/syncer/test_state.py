@@ -7,6 +7,7 @@ INIT and commit below is parted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import replace
@@ -506,53 +507,54 @@ def test_config_errors_name_the_flag() -> None:
 
 def test_snapshot_stays_consistent_while_fragments_commit(monkeypatch) -> None:
     """A background checkpoint shares tensors with the state. A commit with momentum (which it
-    updates in place) waits until the writer has written its fragment (``unpin``); past
+    updates in place) whose new momentum would not fit the memory budget beside the pinned one
+    (``--max-open-rounds 1``) waits until the writer has written its fragment (``unpin``); past
     ``commit.PIN_WAIT_S`` it writes the new momentum beside the pinned one."""
     monkeypatch.setattr(commit_rules, "PIN_WAIT_S", 5.0)
-    d = started()
+    d = started(dataclasses.replace(CFG, max_open_rounds=1))
     st = d.st
+    open_round1(d)
+    for i in range(3):
+        d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
+    d.send(peer(0), hb(0, 4), now=2.0)
+    d.send(peer(1), hb(1, 4), now=2.0)
+    for i in range(3):
+        d.send_all(peer(i), pushes(i, 2, 1), now=2.0)
+    assert st.versions() == (1, 1) and all(f.momentum is not None for f in st.fragments)
     snap = st.snapshot()
     value_at = snap.fragments[0].value.clone()
     momentum_at = snap.fragments[0].momentum.clone()
-    open_round1(d)
     v0, m0 = value(d, 0), momentum(d, 0)
+    d.send(peer(0), hb(0, 6), now=3.0)
+    d.send(peer(1), hb(1, 6), now=3.0)
     for i in range(3):
-        d.send_all(peer(i), pushes(i, 1, 0), now=1.0)
-    assert st.fragments[0].version == 0 and st.rounds[1].closed and not st.rounds[1].committing  # waits
-    d.tick(4.0)
-    assert st.fragments[0].version == 0
-    d.tick(6.5)  # past PIN_WAIT_S: committed beside the pinned momentum
-    assert st.fragments[0].version == 1
-    check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 1) for i in range(3)}, st.events[-1])
+        d.send_all(peer(i), pushes(i, 3, 0, base=1), now=3.0)
+    assert st.versions() == (1, 1) and st.rounds[3].closed and not st.rounds[3].committing  # waits
+    d.tick(6.0)
+    assert st.versions() == (1, 1)
+    d.tick(8.5)  # past PIN_WAIT_S: committed beside the pinned momentum
+    assert st.versions() == (2, 1)
+    check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 3) for i in range(3)}, st.events[-1])
     # The state moved on (value and momentum written beside the pinned ones), the snapshot did not.
     assert st.fragments[0].value is not snap.fragments[0].value
     assert st.fragments[0].momentum is not snap.fragments[0].momentum
     assert not torch.equal(st.fragments[0].value, value_at) and not torch.equal(st.fragments[0].momentum, momentum_at)
     assert torch.equal(snap.fragments[0].value, value_at) and torch.equal(snap.fragments[0].momentum, momentum_at)
-    # A fragment that did not commit still shares its value with the snapshot; it has no momentum
-    # buffer yet, so the snapshot holds zeros that occupy no memory.
-    assert snap.fragments[1].value is st.fragments[1].value and st.fragments[1].momentum is None
-    assert not snap.fragments[1].momentum.any()
-    # Fragment 1 is still pinned: its closed round waits until the writer lets go of it, then commits.
-    val = st.fragments[1].value
-    d.send(peer(0), hb(0, 4), now=7.0)
-    d.send(peer(1), hb(1, 4), now=7.0)
+    # Fragment 1 is still pinned, but it is small: its new momentum fits the budget beside the pinned
+    # one (the budget holds one sum of the largest fragment), so its commit does not wait.
+    mom = st.fragments[1].momentum
+    held = snap.fragments[1]
+    held_at = held.momentum.clone()
+    assert held.momentum is mom
+    del snap  # the writer has written fragment 0 and let go of it (while held, round 4 could not open)
+    st.unpin({0})
+    d.send(peer(0), hb(0, 8), now=9.0)
+    d.send(peer(1), hb(1, 8), now=9.0)
     for i in range(3):
-        d.send_all(peer(i), pushes(i, 2, 1), now=7.0)
-    assert st.fragments[1].version == 0 and st.rounds[2].closed
-    st.unpin({1})
-    d.tick(7.1)
-    assert st.fragments[1].version == 1 and st.fragments[1].value is not val
-    # Unpinned, a commit updates the momentum in place (the overflow bound proves the step finite).
-    st.release_snapshot()
-    del snap, val  # written: the superseded buffers go (while held, they count against the budget: no round opens)
-    mom, v0, m0 = st.fragments[0].momentum, value(d, 0), momentum(d, 0)
-    d.send(peer(0), hb(0, 6), now=8.0)
-    d.send(peer(1), hb(1, 6), now=8.0)
-    for i in range(3):
-        d.send_all(peer(i), pushes(i, 3, 0, base=1), now=8.0)
-    assert st.fragments[0].version == 2 and st.fragments[0].momentum is mom
-    check_commit(d, 0, v0, m0, {i: delta(0, i * 100 + 3) for i in range(3)}, st.events[-1])
+        d.send_all(peer(i), pushes(i, 4, 1, base=1), now=9.0)
+    assert st.versions() == (2, 2) and st.fragments[1].momentum is not mom
+    assert torch.equal(held.momentum, held_at)
+    assert st.book.live_bytes <= st.book.limit_bytes(st.fragments)
 
 
 def test_finalization_waits_for_islands_that_never_joined() -> None:
