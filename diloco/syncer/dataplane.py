@@ -47,7 +47,8 @@ from diloco.digest import tensor_digest
 from diloco.outer import OuterHyper
 from diloco.syncer.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
 from diloco.syncer.robust import PartBound, check_chunk, finish_part
-from diloco.wire import Opened, Payload, WireError, encode_payload
+from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
+from diloco.wire.chunks import wire_bytes
 from diloco.wire.parts import FragmentLayout
 
 log = logging.getLogger(__name__)
@@ -266,19 +267,35 @@ def init_part(w: InitPart) -> float:
 
 def commit_part(w: CommitPart, scratch: Scratch) -> tuple[dict[str, Payload], tuple[float, float]]:
     """The outer step on elements ``[lo, hi)`` (``kernels.outer_step``), out of place into the sum,
-    then the broadcast payloads of the part (digests; one bf16 conversion)."""
+    one wire chunk at a time, each chunk's digest taken while the chunk is still in cache: the fp32
+    broadcast payload of the part comes out of the same pass (bit for bit what ``encode_payload``
+    makes of the part's views). Any other dtype asked for is encoded after it."""
     mu = float(w.hyper.momentum)
-    vmax, mmax = outer_step(w.sum.flat, w.value, w.momentum if mu > 0 else None, w.new_momentum, w.lo, w.hi,
-                            float(w.total_weight), float(w.hyper.lr), mu, scratch, w.check)
-    if w.check and (vmax == math.inf or mmax == math.inf):
+    elems = DEFAULT_CHUNK_BYTES // 4
+    vmax = mmax = 0.0
+    metas: list[TensorMeta] = []
+    frames: list[memoryview] = []
+    for i, a, b in w.layout.segments(w.lo, w.hi):
+        start = w.layout.starts[i]
+        digests = []
+        for p in range(start + a, start + b, elems):
+            q = min(start + b, p + elems)
+            cv, cm = outer_step(w.sum.flat, w.value, w.momentum if mu > 0 else None, w.new_momentum, p, q,
+                                float(w.total_weight), float(w.hyper.lr), mu, scratch, w.check)
+            vmax, mmax = max(vmax, cv), max(mmax, cm)
+            frame = wire_bytes(w.sum.flat[p:q])
+            digests.append(xxhash.xxh3_64_intdigest(frame, seed=w.seed))
+            frames.append(frame)
+        metas.append(TensorMeta(w.layout.names[i], "float32", (b - a,), tuple(digests)))
+    if w.check and (vmax == math.inf or mmax == math.inf or vmax != vmax):
         # A huge (finite) delta can overflow the merged value: refuse the commit. The value (and
         # a pinned momentum) were written out of place, so the state drops it having changed nothing.
         raise WireError(f"the outer step's result is not finite in elements [{w.lo}, {w.hi})")
-    k = w.part
-    payloads = {
-        dtype: encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype, w.seed) for dtype in w.encode_dtypes
-    }
-    return payloads, (vmax, mmax)
+    payloads = {"float32": Payload(tuple(metas), tuple(frames), DEFAULT_CHUNK_BYTES, (w.hi - w.lo) * 4)}
+    for dtype in w.encode_dtypes:
+        if dtype not in payloads:
+            payloads[dtype] = encode_part_payload(w.sum.flat, w.layout, w.part, w.part_elems, dtype, w.seed)
+    return payloads, (vmax, mmax) if w.check else (math.nan, math.nan)
 
 
 def encode_part_payload(value: torch.Tensor, layout: FragmentLayout, k: int, part_elems: int, dtype: str,
