@@ -17,7 +17,7 @@ esac
 export MODEL_ARGS STEPS=${STEPS:-12} SYNC_EVERY=${SYNC_EVERY:-4} FRAGMENTS=${FRAGMENTS:-4}
 RESULT=${OUT:-/tmp/yeto_device}/$SIZE
 mkdir -p "$RESULT"
-python3 "$REPO/scripts/memwatch.py" "$RESULT/mem.json" diloco.syncer _megatron.main &
+python3 "$REPO/scripts/memwatch.py" "$RESULT/mem.json" diloco.syncer _megatron &
 WATCH=$!
 T0=$(date +%s)
 bash "$REPO/scripts/swift_island_gpu.sh" "$WHEELS" "$RESULT"

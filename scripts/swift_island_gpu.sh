@@ -10,7 +10,8 @@
 #               /tmp/yeto_swift_out); the run itself works in $WORK (default /tmp/yeto_swift).
 # Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599), MODEL_ARGS (tiny),
 #   SYNCER_ARGS (extra yeto-syncer flags), ISLAND_ENV (extra VAR=value pairs for both islands),
-#   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment.
+#   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
+#   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs).
 # Exit status: 0 only if the syncer and both islands exit 0 and both final digests are equal.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +59,7 @@ rm -rf "$WORK/ckpt" "$WORK"/steps-*.jsonl "$WORK"/digest-*.json "$WORK/events.js
 
 # --- 3. the syncer -------------------------------------------------------------------------
 export YETO_SYNC_KEY=${YETO_SYNC_KEY:-swift-gpu-test-key}
-$PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
+PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
   --total-steps "$STEPS" --grace-ms 500 --quorum-timeout-s 120 --final-timeout-s 300 --dead-after-s 120 \
   --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 ${SYNCER_ARGS:-} \
   >"$WORK/syncer.log" 2>&1 &

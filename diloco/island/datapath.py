@@ -129,7 +129,9 @@ class DataPath:
         out = []
         for spec in x._plan.specs_of(f):
             seg, h = by_name.get(spec.name, (None, None))
-            if seg is None or h is None or seg.shard.partition_dim >= 0 or seg.a != 0 or seg.b != spec.numel:
+            # One shard covering every element is the tensor itself, in its own order (TP1 shards of a
+            # row- or column-parallel weight included); any real cut across ranks is not whole.
+            if seg is None or h is None or seg.a != 0 or seg.b != spec.numel:
                 return None
             if len(route.export[self._sync]) != len(x._plan.specs_of(f)):
                 return None
