@@ -32,10 +32,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from diloco.steplog_scalars import ScalarView
+from typing import IO, Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +140,21 @@ _INT_TUPLE_FIELDS = ("pushed", "applied", "installed", "versions")
 _BYTE_FIELDS = ("data_bytes_sent", "data_bytes_recv", "control_bytes_sent", "control_bytes_recv")
 
 
+class RecordView(Protocol):
+    """What :class:`StepLog` hands every record to (``diloco.steplog_scalars.ScalarView`` is one).
+
+    ``enabled`` is read once, at construction (a disabled view is not kept); ``add`` gets every
+    record, with or without a file; ``flush`` is called once, at :meth:`StepLog.close`.
+    """
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def add(self, rec: StepRecord) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class StepLog:
     """Appends :class:`StepRecord` lines to a file; a no-op when ``path`` is None.
 
@@ -160,7 +172,7 @@ class StepLog:
             record, with or without a file.
     """
 
-    def __init__(self, path: str | None, scalars: ScalarView | None = None) -> None:
+    def __init__(self, path: str | None, scalars: RecordView | None = None) -> None:
         self.path = path
         self.scalars = scalars if scalars is not None and scalars.enabled else None
         self._file: IO[str] | None = None

@@ -57,9 +57,9 @@ NO_TORCH_DISTRIBUTED = ("diloco.protocol", "diloco.wire", "diloco.quant", "diloc
 KNOWN_LONG = {"diloco/syncer/loop.py", "diloco/syncer/state.py"}
 """Modules over MAX_LINES when this test was written (being split); no other module may join them."""
 
-KNOWN_CIRCLE_ROOMS = ("diloco.syncer",)
-"""Rooms with import circles when this test was written (their rewrite removes them); a circle
-anywhere else, or across rooms, fails at once."""
+KNOWN_CIRCLE_ROOMS: tuple[str, ...] = ()
+"""Rooms allowed an import circle inside them (none now); a circle anywhere else, or across rooms,
+fails at once."""
 
 
 def _modules() -> dict[str, Path]:
@@ -177,8 +177,7 @@ def _import_circles() -> list[list[str]]:
 
 
 def _known(circle: list[str]) -> bool:
-    return any(all(m == k or m.startswith(k + ".") for m in circle) for k in KNOWN_CIRCLE_ROOMS) or \
-        set(circle) <= {"diloco.steplog", "diloco.steplog_scalars"}
+    return any(all(m == k or m.startswith(k + ".") for m in circle) for k in KNOWN_CIRCLE_ROOMS)
 
 
 def test_no_new_import_circles() -> None:
@@ -186,7 +185,6 @@ def test_no_new_import_circles() -> None:
     assert not new, "import circles: " + "; ".join(" <-> ".join(c) for c in new)
 
 
-@pytest.mark.xfail(strict=False, reason="circles inside diloco.syncer / steplog are being removed")
 def test_no_import_circles() -> None:
     circles = _import_circles()
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)

@@ -36,7 +36,7 @@ from diloco.wire import (
 )
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

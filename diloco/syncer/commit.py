@@ -23,7 +23,7 @@ from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundR
 from diloco.wire import Error
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

@@ -18,7 +18,7 @@ from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStr
 from diloco.wire import HostBufferPool
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 
 class StateFields:

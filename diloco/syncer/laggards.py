@@ -29,7 +29,7 @@ from diloco.syncer.records import IslandRecord, RoundRecord
 from diloco.syncer.robust import Reference
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

@@ -34,10 +34,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from diloco.syncer.loop import SyncerLoop
+    from diloco.syncer.dataplane import DataPlane
+    from diloco.syncer.state import SyncerState
 
 COMMIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (s) of the commit-latency histogram (plus +Inf)."""
@@ -45,6 +46,24 @@ STALL_AFTER_S = 5.0
 """``/healthz`` answers 503 once the control loop has not turned for this long."""
 SNAPSHOT_EVERY_S = 0.5
 """Period of the snapshot the loop publishes for the HTTP thread."""
+
+
+class LoopView(Protocol):
+    """What a snapshot reads of the control loop (``diloco.syncer.loop.SyncerLoop`` is one), on the
+    loop's own thread: its state, its data plane's backlog and its send/refusal counters. The
+    optional ``listener`` (with a connection ``guard``) and ``bytes_in`` / ``bytes_out`` are read
+    with ``getattr`` and count as absent/0 when missing."""
+
+    @property
+    def state(self) -> SyncerState: ...
+    @property
+    def data(self) -> DataPlane: ...
+    @property
+    def wire_refusals(self) -> int: ...
+    @property
+    def dropped_sends(self) -> int: ...
+    @property
+    def lost_streams(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -166,14 +185,14 @@ class SyncerMetrics:
                 else:
                     c.buckets[-1] += 1
 
-    def tick(self, loop: SyncerLoop, now: float) -> None:
+    def tick(self, loop: LoopView, now: float) -> None:
         """Once per loop iteration: the liveness clock, and a snapshot when one is due."""
         self.beat_at = now
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.snapshot_every_s
             self._snapshot = self._take(loop, now)
 
-    def final(self, loop: SyncerLoop) -> None:
+    def final(self, loop: LoopView) -> None:
         """After the loop returned (same thread): one last snapshot, and healthz 503 from now on."""
         with self._lock:
             self._snapshot = self._take(loop, time.monotonic())
@@ -197,7 +216,7 @@ class SyncerMetrics:
 
     # ------------------------------------------------------------------ snapshot
 
-    def _take(self, loop: SyncerLoop, now: float) -> MetricsSnapshot:
+    def _take(self, loop: LoopView, now: float) -> MetricsSnapshot:
         state = loop.state
         c = self._commits
         rounds = list(state.rounds.values())
@@ -232,7 +251,7 @@ class SyncerMetrics:
             dropped_sends=loop.dropped_sends, lost_streams=loop.lost_streams)
 
 
-def _buffers(loop: SyncerLoop) -> dict[str, int]:
+def _buffers(loop: LoopView) -> dict[str, int]:
     """Bytes of the syncer's model-sized buffers, by kind (each tensor counted once)."""
     state = loop.state
     seen: set[int] = set()

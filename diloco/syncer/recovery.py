@@ -33,7 +33,7 @@ from diloco.syncer.records import (
 from diloco.wire import Error, FragmentLayout, Push
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

@@ -21,7 +21,7 @@ from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStr
 from diloco.wire import Shutdown
 
 if TYPE_CHECKING:
-    from diloco.syncer.state import Out
+    from diloco.syncer.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

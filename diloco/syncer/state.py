@@ -42,6 +42,7 @@ from diloco.syncer.book import FragmentBook
 from diloco.syncer.checks import Dropped, Refused
 from diloco.syncer.commit import Merge
 from diloco.syncer.config import SyncerConfig
+from diloco.syncer.effects import Out
 from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.recovery import Recovery
 from diloco.syncer.rounds import RoundClock
@@ -69,8 +70,6 @@ from diloco.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-Out = Outgoing | OutStream
 
 
 class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards):
