@@ -14,12 +14,13 @@ boundary asks for it:
   carries the whole global value);
 * the final cut, shutdown and errors.
 
-Fragments travel as **parts** (``diloco.wire.parts``): INIT and PUSH streams are cut
-into parts of the syncer's size and paced (``diloco.wire.pacing``) so that at most a few
-parts sit in zmq's queue and a heartbeat never waits behind a whole fragment; BCAST and
-FINAL parts are checked against the plan and assembled into one pooled flat buffer per
-fragment, handed to the boundary only once complete.  Any message from the syncer counts
-as hearing from it, so a slow multi-GB transfer never looks like silence.
+Fragments travel as **parts** (``diloco.wire.parts``): INIT and PUSH streams are cut into
+parts of the syncer's size and paced (the send rules: ``diloco.island.outbox``); BCAST and
+FINAL parts are checked against the plan and assembled in place (the receive rules:
+``diloco.island.inbox``), handed to the boundary only once complete.  Any message from the
+syncer counts as hearing from it, so a slow multi-GB transfer never looks like silence.
+This module owns the socket, the I/O thread's loop, the redials and the training thread's
+API; the state the two threads share is guarded by one lock.
 
 On a socket error, a long silence, or a syncer that restarted (a new ``syncer_id``), the
 client redials with backoff under a **new generation**: the syncer then refuses anything
@@ -28,8 +29,7 @@ merged twice.  INIT streams restart from part 0 on the new connection; pushes ar
 dropped (the syncer pulls again).
 
 The I/O thread never dies silently: anything unexpected on it becomes a fatal
-:class:`SyncError` that the boundary raises on every rank.  The receive rules (opening,
-session checks, assembly, what each ERROR code means) are ``diloco.island.inbox``.
+:class:`SyncError` that the boundary raises on every rank.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """What the island's I/O thread does with each message from the syncer (see ``diloco.island.client``).
 
-A mixin of :class:`diloco.island.client.SyncClient`, kept apart so the client's module reads
-as the connection (queues, pacing, redials) and this one as the receive rules: every message
-is opened (MAC, header, declared sizes) and checked against this connection's session before
-anything of it is used; BCAST and FINAL parts are checked against the plan and assembled in
-order into one pooled flat buffer; pulls and broadcasts are deduplicated for the boundary;
+The receive rules, methods of :class:`diloco.island.client.SyncClient` (the send rules are
+``diloco.island.outbox``): every message is opened (MAC, header, declared sizes) and checked
+against this connection's session before anything of it is used; BCAST and FINAL parts are
+checked against the plan and assembled in order, straight into the island's anchors where
+``receive_target`` offers them, else into one pooled buffer; pulls and broadcasts are
+deduplicated for the boundary;
 ERROR codes decide between a refusal, a rejoin and a fatal error.  Any decode failure is a
 refusal counted in the stats, never an exception on the I/O thread.  Runs on the I/O thread.
 """
