@@ -68,6 +68,14 @@ class IslandConfig:
     """``YETO_DILOCO_PUSHES_IN_FLIGHT``: background pushes (gather + hand-off) that may be
     unfinished per rank; another push waits for the oldest. ``>= 1``."""
 
+    snapshot_slots: int = 1
+    """``YETO_DILOCO_SNAPSHOT_SLOTS``: pushes of different fragments whose snapshot (θ_push)
+    may be held at once, each slot sized to one fragment's share of the rank (host memory:
+    ``slots / fragments`` of the model, pinned on GPUs). 1 (default) keeps the island at one
+    anchor plus one fragment; a push of another fragment then waits until the outstanding
+    one's commit is installed, which costs rounds only when rounds come faster than commits
+    land (``H / fragments`` steps below the commit lag). ``1..fragments``."""
+
     transfer_timeout_s: float = 300.0
     """``YETO_DILOCO_TRANSFER_TIMEOUT_S``: bound on every background transfer wait and on the
     data group's collectives; a rank that died shows up as an error within it."""
@@ -164,6 +172,8 @@ class IslandConfig:
         _check(self.alpha == 0.0 or self.apply_mode == "blend", "alpha", self.alpha,
                "only applies with apply_mode=blend (YETO_DILOCO_APPLY)")
         _check(self.pushes_in_flight >= 1, "pushes_in_flight", self.pushes_in_flight, "must be >= 1")
+        _check(1 <= self.snapshot_slots <= max(1, self.fragments), "snapshot_slots", self.snapshot_slots,
+               f"must be in 1..fragments ({self.fragments})")
         _check(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
         _check(self.wire_dtype in WIRE_DTYPE_NAMES, "wire_dtype", self.wire_dtype,
                f"must be one of {', '.join(WIRE_DTYPE_NAMES)}")
@@ -259,6 +269,7 @@ _ENV_OF: dict[str, str] = {
     "alpha": "YETO_DILOCO_ALPHA",
     "apply_mode": "YETO_DILOCO_APPLY",
     "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
+    "snapshot_slots": "YETO_DILOCO_SNAPSHOT_SLOTS",
     "sync_rounds": "YETO_DILOCO_SYNC_ROUNDS",
     "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
     "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
@@ -320,7 +331,7 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
-    "apply_mode": "str", "pushes_in_flight": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
+    "apply_mode": "str", "pushes_in_flight": "int", "snapshot_slots": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "writer": "any",
     "log_interval": "int", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
@@ -400,7 +411,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 
 
 _PARSERS = {
-    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "sync_rounds": _bool_of,
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "snapshot_slots": _int_of, "sync_rounds": _bool_of,
     "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "step_log": _str, "log_interval": _int_of, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,

@@ -118,7 +118,7 @@ class Island(StartFinish):
         timeout = timedelta(seconds=config.transfer_timeout_s)
         self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank, timeout=timeout)
         self.data_group = _data_group(self.group, timeout)
-        self.data = DataPath(self.transfer, self.data_group)
+        self.data = DataPath(self.transfer, self.data_group, slots=config.snapshot_slots)
         self.bg = Background(f"yeto-data-{self.rank}", config.pushes_in_flight, config.transfer_timeout_s)
         self._tokens_given = bool(tokens_per_step or config.tokens_per_step)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1
@@ -256,7 +256,8 @@ class Island(StartFinish):
     def _decide(self, finishing: bool) -> Orders:
         """The sync rank's orders (the planner's rules: ``diloco.island.planner``)."""
         return self.planner.plan(self.step, finishing=finishing, done_everywhere=self._done_everywhere,
-                                 slot_holder=self.data.slot_holder(), now=time.monotonic())
+                                 slot_holders=self.data.slot_holders(),
+                                 free_slots=self.data.free_slots(), now=time.monotonic())
 
     def _install_all(self, orders: Orders, events: list[dict]) -> float:
         """Install fragments staged on every rank: the masters in place, then one refresh."""

@@ -79,7 +79,7 @@ class DataPath:
             by the background worker.
     """
 
-    def __init__(self, xfer: FragmentTransfer, group: dist.ProcessGroup) -> None:
+    def __init__(self, xfer: FragmentTransfer, group: dist.ProcessGroup, slots: int = 1) -> None:
         if group_rank(group) != xfer._me or dist.get_world_size(group) != xfer._world:
             raise ValueError("DataPath: the data group must have the island group's ranks, in its order")
         self._x = xfer
@@ -106,11 +106,17 @@ class DataPath:
             self._held.append(merged)
         self._whole = [self._held_whole(f) for f in range(len(xfer._routes))]
         self._pinned = any(dev.is_accelerator(p.master) for p in pieces) and dev.pinning_available()
+        if slots < 1:
+            raise ValueError(f"DataPath: slots must be >= 1, got {slots}")
+        self._n_slots = slots
         self._slot: torch.Tensor | None = None
-        self._slot_owner: int | None = None
+        """One block of ``slots`` snapshot slots (one registration when pinned)."""
+        self._owners: dict[int, int] = {}
+        """Fragment -> index of the slot holding its θ_push."""
         self._slot_views: dict[int, torch.Tensor] = {}
+        """Piece -> its θ_push in its fragment's slot (pieces belong to one fragment each)."""
         self._slotless: set[int] = set()
-        self._slot_event: object | None = None
+        self._slot_events: dict[int, object | None] = {}
         self._snap_event: object | None = None
         self._install_event: dict[int, object | None] = {}
         self._side: dict[str, object | None] = {}
@@ -148,10 +154,10 @@ class DataPath:
         first push: pinned memory is slow to allocate and that must not land on a training
         step. Returns the bytes by kind (what the island logs)."""
         if self._slot is None:
-            self._slot = dev.host_buffer(self.slot_nbytes(), self._pinned).view(torch.float32)
+            self._slot = dev.host_buffer(self._n_slots * self.slot_nbytes(), self._pinned).view(torch.float32)
         for piece in range(len(self._x._pieces)):
             self._x.anchor_of(piece)
-        return {"anchors": self._x.anchor_nbytes(), "snapshot_slot": self._slot.numel() * 4,
+        return {"anchors": self._x.anchor_nbytes(), "snapshot_slots": self._slot.numel() * 4,
                 "pinned": self._slot.numel() * 4 if self._pinned else 0}
 
     def _side_stream(self, device: torch.device) -> object | None:
@@ -166,7 +172,7 @@ class DataPath:
 
     def slot_free_for(self, f: int) -> bool:
         """Whether a snapshot of ``f`` may be taken now (the slot is free, or already ``f``'s)."""
-        return self._slot_owner is None or self._slot_owner == f
+        return f in self._owners or len(self._owners) < self._n_slots
 
     def free(self) -> None:
         """Drop the snapshot slot and every anchor (after the final cut)."""
@@ -206,27 +212,41 @@ class DataPath:
             out.append((name, master[off : off + spec.numel].view(spec.shape)))
         return out
 
+    def _release(self, f: int) -> None:
+        """Give ``f``'s slot back (its views go with it)."""
+        if self._owners.pop(f, None) is not None:
+            for p in self._mine[f]:
+                self._slot_views.pop(p, None)
+
     def gathers_whole(self) -> bool:
         """Whether no push of this rank assembles a fragment (a non-sync rank only sends; a
         sync rank that holds every fragment whole streams deltas through DeltaSource)."""
         return self._me != self._sync or all(w is not None for w in self._whole)
 
-    def slot_holder(self) -> int | None:
-        """The fragment whose θ_push the slot holds (None when free)."""
-        return self._slot_owner
+    def free_slots(self) -> int:
+        """Snapshot slots no fragment holds."""
+        return self._n_slots - len(self._owners)
+
+    def slot_holders(self) -> frozenset[int]:
+        """The fragments whose θ_push a slot holds."""
+        return frozenset(self._owners)
+
+    @property
+    def n_slots(self) -> int:
+        return self._n_slots
 
     def release_all(self, timeout_s: float) -> bool:
         """Forget every snapshot (before a final cut, which replaces every value), once the
         client stopped reading every push (bounded wait; False if one was still read)."""
         ok = all(ev.wait(timeout_s) for ev in self._sent.values())
-        self._slot_owner, self._slot_views = None, {}
+        self._owners, self._slot_views = {}, {}
         self._slotless.clear()
         self._sent.clear()
         return ok
 
     def holds_snapshot(self, f: int) -> bool:
         """Whether the slot holds θ_push of ``f`` (a progress install is possible)."""
-        return self._slot_owner == f
+        return f in self._owners
 
     # ------------------------------------------------------------------ training thread
     def snapshot(self, f: int, slotless: bool = False) -> None:
@@ -237,23 +257,28 @@ class DataPath:
         the device, so the next write of a master cannot race the copy.
 
         ``slotless``: the masters will not move again (after the last step): the push reads
-        them directly and no slot is taken. Refuses (ValueError) a snapshot while the slot
+        them directly and no slot is taken. Refuses (ValueError) a snapshot while every slot
         holds another fragment."""
         if slotless:
             self._slotless.add(f)
-            if self._slot_owner == f:
-                self._slot_owner, self._slot_views = None, {}
+            self._release(f)
             return
         if not self.slot_free_for(f):
-            raise ValueError(f"snapshot({f}): the slot holds fragment {self._slot_owner}")
+            raise ValueError(f"snapshot({f}): every slot is taken (fragments {sorted(self._owners)})")
         if self._slot is None:
             self.preallocate()
         assert self._slot is not None
         self._slotless.discard(f)
-        self._slot_owner, self._slot_views, pos = f, {}, 0
+        if f not in self._owners:
+            self._owners[f] = min(set(range(self._n_slots)) - set(self._owners.values()))
+        idx, pos = self._owners[f], 0
+        # A device copy out of this slot (an earlier install) is on the compute stream: the side
+        # stream below waits for that stream, so the device orders the two copies.
+        self._slot_events.pop(idx, None)
+        base = self._slot[idx * (self._slot.numel() // self._n_slots):]
         for p in self._mine[f]:
             n = self._x._pieces[p].end - self._x._pieces[p].start
-            self._slot_views[p] = self._slot[pos : pos + n]
+            self._slot_views[p] = base[pos : pos + n]
             pos += n
         by_device: dict[str, list[int]] = {}
         for p in self._mine[f]:
@@ -283,7 +308,7 @@ class DataPath:
         held it."""
         if mode not in ("cut", "progress", "blend"):
             raise ValueError(f"install: unknown mode {mode!r}")
-        if mode == "progress" and self._slot_owner != f:
+        if mode == "progress" and f not in self._owners:
             raise ValueError(f"install({f}, progress): the slot does not hold fragment {f}")
         event = None
         for p, off, n in self._held[f]:
@@ -300,9 +325,9 @@ class DataPath:
                 master.mul_(alpha).add_(src, alpha=1.0 - alpha)
             if nb:
                 event = dev.record_event(dev.current_stream(master.device))
-        if self._slot_owner == f:
-            self._slot_owner, self._slot_views = None, {}
-            self._slot_event = event
+        if f in self._owners:
+            self._slot_events[self._owners[f]] = event
+            self._release(f)
         self._slotless.discard(f)
         self._install_event[f] = event
         self._x._anchored.add(f)
@@ -326,7 +351,7 @@ class DataPath:
         x = self._x
         if f not in x._anchored:
             raise ValueError(f"gather_delta({f}): fragment {f} has no anchor (never applied)")
-        if f not in self._slotless and self._slot_owner != f:
+        if f not in self._slotless and f not in self._owners:
             raise ValueError(f"gather_delta({f}): no snapshot of fragment {f}")
         dev.event_synchronize(self._snap_event)
         route = x._routes[f]
@@ -389,7 +414,8 @@ class DataPath:
         if sent is not None and not sent.wait(timeout_s):
             raise TimeoutError(f"stage({f}): the client still reads the push of fragment {f} after {timeout_s:.0f}s")
         dev.event_synchronize(self._install_event.pop(f, None))  # an async copy may still read the anchor
-        dev.event_synchronize(self._slot_event)
+        if f in self._owners:
+            dev.event_synchronize(self._slot_events.get(self._owners[f]))
 
         def slot(h_piece: int, off: int, n: int) -> torch.Tensor:
             return x.anchor_of(h_piece)[off : off + n]
@@ -414,7 +440,7 @@ class DataPath:
         x._wait(fwd_works)
         del keep
         if progress:
-            if self._slot_owner != f:
+            if f not in self._owners:
                 raise ValueError(f"stage({f}, progress): the slot does not hold fragment {f}")
             for p, off, n in self._held[f]:
                 work = self._slot_views[p][off : off + n]

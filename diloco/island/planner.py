@@ -30,8 +30,9 @@ The rules, each a promise of :meth:`Planner.plan`:
 * a pull whose round is known committed (installed, staging or pending) is dropped: that round
   committed without us. A cut resets that floor (a resumed syncer re-runs rounds);
 * while training, a push waits for one local step on top of the value installed now (a zero
-  delta would drag the mean), and waits while the data path's one snapshot slot holds another
-  fragment whose commit is not installed at this same boundary; after the last step
+  delta would drag the mean), and waits while every snapshot slot of the data path
+  (``YETO_DILOCO_SNAPSHOT_SLOTS``, 1 by default) holds another fragment whose commit is not
+  installed at this same boundary; after the last step
   (``finishing``) a push goes at once with what is left (possibly 0 steps) and needs no slot;
 * a ``stale_base`` refusal of our outstanding push is passed to every rank: the value the syncer
   resends is installed keeping the progress since that push's snapshot;
@@ -219,25 +220,29 @@ class Planner:
         return out
 
     # ------------------------------------------------------------------ sync rank: the decision
-    def plan(self, step: int, *, finishing: bool, done_everywhere: int, slot_holder: int | None,
-             now: float) -> Orders:
+    def plan(self, step: int, *, finishing: bool, done_everywhere: int, slot_holders: frozenset[int],
+             free_slots: int, now: float) -> Orders:
         """The boundary's orders: install what is staged everywhere (background job
         ``<= done_everywhere``), stage what arrived, answer pulls, and (synchronous rounds) hold.
 
-        ``slot_holder``: the fragment whose snapshot the data path's one slot holds (None: free)."""
+        ``slot_holders``: the fragments whose snapshot a slot of the data path holds;
+        ``free_slots``: how many slots are free (``YETO_DILOCO_SNAPSHOT_SLOTS`` in all)."""
         installs = [s.staging.value for s in self.slots if s.staging is not None and s.staging.seq <= done_everywhere]
         installing = {v.fragment for v in installs}
         stages = [_value_of(s.pending) for s in self.slots
                   if s.pending is not None and (s.staging is None or s.fragment in installing)]
         orders = Orders(applies=installs, stages=stages, stale=self._stale_new)
         self._stale_new = []
-        orders.pushes = self._take_pushes(orders, finishing, slot_holder)
+        orders.pushes = self._take_pushes(orders, finishing, slot_holders, free_slots)
         orders.hold = self.sync_rounds and not finishing and self._holding(orders, step, now)
         self.decisions += 1
         return orders
 
-    def _take_pushes(self, orders: Orders, finishing: bool, slot_holder: int | None) -> list[PushOrder]:
+    def _take_pushes(self, orders: Orders, finishing: bool, slot_holders: frozenset[int],
+                     free_slots: int) -> list[PushOrder]:
         installs = {v.fragment: v for v in orders.applies}
+        # Slots this boundary can hand out: the free ones and those its installs give back first.
+        available = free_slots + len(slot_holders & set(installs))
         replaced = {f for f in installs if self._staging_mode(f) != "progress"}
         pushes = []
         for slot in self.slots:
@@ -256,8 +261,10 @@ class Planner:
                 continue  # our previous push's commit may still come: wait one boundary for it
             if not finishing and (slot.unmerged_steps < 1 or f in replaced):
                 continue  # wait for a local step on top of the value installed now
-            if not finishing and slot_holder not in (None, f) and slot_holder not in installs:
-                continue  # the snapshot slot holds another fragment's push until its commit is installed
+            needs_slot = not finishing and (f not in slot_holders or f in installs)
+            if needs_slot and available < 1:
+                continue  # every snapshot slot holds another push until that commit is installed
+            available -= 1 if needs_slot else 0
             pushes.append(PushOrder(f, p.round, p.attempt))
             slot.pull = None
         return pushes

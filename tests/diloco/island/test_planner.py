@@ -2,7 +2,7 @@
 
 ``Boundary`` plays the executor of ``diloco.island.boundary`` on one rank with plain values: it
 carries the planner's orders out in their fixed order (install, stage, push), records them in
-the planner, and models the data path's one snapshot slot as ``DataPath`` keeps it (taken by a
+the planner, and models the data path's snapshot slots as ``DataPath`` keeps them (taken by a
 snapshot while free, slotless otherwise; let go when its fragment is installed).
 """
 
@@ -29,13 +29,14 @@ def pull(f: int, rnd: int, attempt: int = 0) -> wire.Pull:
 class Boundary:
     """One rank's executor over plain values (see the module docstring)."""
 
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, slots: int = 1) -> None:
         self.p = planner
+        self.slots = slots
         self.step = 0
         self.seq = 0
         self.done = 0
         """Background jobs done everywhere (the test decides when staging finishes)."""
-        self.holder: int | None = None
+        self.holders: set[int] = set()
         self.pushed: list[tuple[PushOrder, int]] = []
         self.modes: dict[int, str] = {}
         self.now = 0.0
@@ -51,24 +52,24 @@ class Boundary:
         if staged_done:
             self.done = self.seq
         self.p.park(bcasts, pulls, stale)
-        orders = self.p.plan(self.step, finishing=finishing, done_everywhere=self.done, slot_holder=self.holder,
+        orders = self.p.plan(self.step, finishing=finishing, done_everywhere=self.done,
+                             slot_holders=frozenset(self.holders), free_slots=self.slots - len(self.holders),
                              now=self.now)
         orders = Orders.from_json(orders.to_json()) if not orders.is_idle() else orders  # as the other ranks see it
         for v in orders.applies:
             st = self.p.take_staged(v.fragment)
-            if self.holder == v.fragment:
-                self.holder = None
+            self.holders.discard(v.fragment)
             self.p.installed(v, st.mode == "progress", self.step)
         self.p.mark_stale(orders.stale)
         for v in orders.stages:
             self.p.take_pending(v.fragment)
-            mode = self.p.staging_mode(v, holds_snapshot=self.holder == v.fragment)
+            mode = self.p.staging_mode(v, holds_snapshot=v.fragment in self.holders)
             self.seq += 1
             self.p.staged(v, mode, self.seq, 0)
             self.modes[v.fragment] = mode
         for order in orders.pushes:
-            if self.holder in (None, order.fragment):
-                self.holder = order.fragment
+            if order.fragment in self.holders or len(self.holders) < self.slots:
+                self.holders.add(order.fragment)  # else slotless (only after the last step)
             steps = self.p.snapshot_taken(order, self.step)
             self.pushed.append((order, steps))
             self.p.push_handed(order.fragment)
@@ -81,8 +82,8 @@ class Boundary:
         assert self.p.slots[f].version == version
 
 
-def anchored(n: int = 1, **kw: object) -> Boundary:
-    b = Boundary(Planner(n, **kw))  # type: ignore[arg-type]
+def anchored(n: int = 1, slots: int = 1, **kw: object) -> Boundary:
+    b = Boundary(Planner(n, **kw), slots)  # type: ignore[arg-type]
     for f in range(n):
         b.install_cut(f)
     return b
@@ -244,7 +245,7 @@ def test_the_single_snapshot_slot_defers_another_fragments_push() -> None:
     b = anchored(2)
     b.train_step()
     b.run(pulls=[pull(0, 1)])
-    assert b.holder == 0
+    assert b.holders == {0}
     b.train_step()
     assert b.run(pulls=[pull(1, 2)]).pushes == [], "the slot holds fragment 0's push until its commit"
     b.train_step()
@@ -253,7 +254,7 @@ def test_the_single_snapshot_slot_defers_another_fragments_push() -> None:
     orders = b.run()
     assert orders.applies == [Value(0, 1, 1, False)]
     assert orders.pushes == [PushOrder(1, 2, 0)], "fragment 0's commit is installed at this boundary"
-    assert b.holder == 1
+    assert b.holders == {1}
 
 
 def test_after_the_last_step_a_push_needs_no_slot() -> None:
@@ -261,7 +262,7 @@ def test_after_the_last_step_a_push_needs_no_slot() -> None:
     b.train_step()
     b.run(pulls=[pull(0, 1)])
     orders = b.run(pulls=[pull(1, 2)], finishing=True)
-    assert orders.pushes == [PushOrder(1, 2, 0)] and b.holder == 0
+    assert orders.pushes == [PushOrder(1, 2, 0)] and b.holders == {0}
 
 
 def test_a_dropped_push_gives_its_steps_back_once() -> None:
@@ -293,3 +294,14 @@ def test_orders_travel_as_named_validated_json() -> None:
     with pytest.raises(msgspec.ValidationError):
         Orders.from_json(b'{"applies": [[0, 3, 2, false]]}')
     assert Orders().is_idle() and not orders.is_idle()
+
+
+def test_two_snapshot_slots_let_two_fragments_push_before_either_commit() -> None:
+    b = anchored(3, slots=2)
+    b.train_step()
+    assert b.run(pulls=[pull(0, 1)]).pushes == [PushOrder(0, 1, 0)]
+    b.train_step()
+    assert b.run(pulls=[pull(1, 2)]).pushes == [PushOrder(1, 2, 0)], "a second slot is free"
+    b.train_step()
+    assert b.run(pulls=[pull(2, 3)]).pushes == [], "both slots hold a push awaiting its commit"
+    assert b.holders == {0, 1}
