@@ -54,8 +54,6 @@ THIRD_PARTY_ROOMS: dict[str, tuple[str, ...]] = {
 NO_TORCH_DISTRIBUTED = ("diloco.protocol", "diloco.wire", "diloco.quant", "diloco.syncer")
 """The wire format and the syncer know nothing of torch.distributed."""
 
-KNOWN_LONG = {"diloco/syncer/loop.py", "diloco/syncer/state.py"}
-"""Modules over MAX_LINES when this test was written (being split); no other module may join them."""
 
 KNOWN_CIRCLE_ROOMS: tuple[str, ...] = ()
 """Rooms allowed an import circle inside them (none now); a circle anywhere else, or across rooms,
@@ -247,14 +245,9 @@ def _long_modules() -> dict[str, int]:
     return out
 
 
-def test_no_new_long_modules() -> None:
-    new = {p: n for p, n in _long_modules().items() if p not in KNOWN_LONG}
-    assert not new, f"modules over {MAX_LINES} non-blank lines (split them by concept): {new}"
-
-
-@pytest.mark.xfail(strict=False, reason=f"being split: {sorted(KNOWN_LONG)}")
 def test_no_long_modules() -> None:
-    assert not _long_modules(), _long_modules()
+    long = _long_modules()
+    assert not long, f"modules over {MAX_LINES} non-blank lines (split them by concept): {long}"
 
 
 def test_no_test_support_in_the_package() -> None:
