@@ -231,7 +231,10 @@ class Inbox:
         key = (kind, h.fragment)
         asm = self._assembling.get(key)
         if h.part == 0:
-            views = self.receive_target(h.fragment, dtype) if self.receive_target is not None else None
+            # Straight into the anchors only when no other stream of this fragment is arriving
+            # and no final value of it is in: two streams must never write one buffer.
+            busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final
+            views = None if busy or self.receive_target is None else self.receive_target(h.fragment, dtype)
             if views is None:
                 flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
                 views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
