@@ -286,12 +286,14 @@ class Island(StartFinish):
         self.planner.mark_stale(orders.stale)
         for value in orders.stages:
             f = value.fragment
-            values = self.planner.take_pending(f).tensors if self.is_sync else None
+            pending = self.planner.take_pending(f) if self.is_sync else None
+            values, arrival = (pending.tensors, pending.arrival) if pending is not None else (None, 0)
+            del pending
             data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
             mode = self.planner.staging_mode(value, self.data.holds_snapshot(f))
             seq = self.bg.submit("stage", f"staging of fragment {f} version {value.version}",
                                  functools.partial(self.data.stage, f, values, mode == "progress",
-                                                   self.cfg.transfer_timeout_s))
+                                                   self.cfg.transfer_timeout_s, arrival))
             del values
             self.planner.staged(value, mode, seq, data_bytes)
 
@@ -342,13 +344,16 @@ class Island(StartFinish):
         for value in orders.applies:
             values = None
             data_bytes = 0
+            arrival = 0
             if self.is_sync:
-                received = self.planner.take_pending(value.fragment).tensors
+                pending = self.planner.take_pending(value.fragment)
+                received, arrival = pending.tensors, pending.arrival
                 data_bytes = sum(t.numel() * t.element_size() for _, t in received)  # as it came, wire dtype
                 values = _fp32(received)
-                del received
+                del received, pending
             self.transfer.apply_fragment(value.fragment, values, alpha=0.0 if value.cut else self.cfg.alpha,
                                          refresh=False)
+            self.data.mark_quiet(value.fragment, arrival)
             del values
             self._installed(value, False, events, {"data_bytes": data_bytes})
         if orders.applies:

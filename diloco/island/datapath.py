@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.island.delta_source import DeltaSource
+from diloco.island.quiet import QuietAnchors
 from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, ShardSlices
 from diloco.layout.base import group_rank
 from gloo_bridge import device as dev
@@ -121,6 +122,9 @@ class DataPath:
         self._install_event: dict[int, object | None] = {}
         self._side: dict[str, object | None] = {}
         self._sent: dict[int, threading.Event] = {}
+        self._quiet = QuietAnchors(len(xfer._routes))
+        """Which fragments' anchors a received value may take now (sync rank; see receive_views)."""
+        self._staged_arrival: dict[int, int] = {}
         self.bytes_sent = 0
         """Data-group bytes this rank sent (background thread)."""
 
@@ -182,20 +186,32 @@ class DataPath:
         self._slot = None
         self._x.free_anchors()
 
-    def receive_views(self, f: int, dtype: str) -> list[torch.Tensor] | None:
+    def receive_views(self, f: int, dtype: str, busy: bool = False) -> tuple[list[torch.Tensor] | None, int]:
         """Client I/O thread: where a received fp32 value of ``f`` may land directly, one flat
         view per tensor in plan order: this (sync) rank's anchors, when it holds every tensor of
         ``f`` whole (preallocated); None otherwise (the client assembles into a pooled buffer).
 
-        Safe because nothing reads an anchor of ``f`` while a value of ``f`` arrives: a commit
-        of ``f`` is sent only after our push of ``f`` was received whole, the planner pushes
-        nothing of ``f`` while a value of it is pending, and a cut (a rejoin) voids the pushes
-        in flight and is installed whole, replacing whatever it overtook."""
+        Called at the first part of every value of ``f`` (it also numbers them: the second
+        return). Only while ``f`` is *quiet*: no value of it is pending, staging or being
+        installed (a staging job may write or read the anchor) and none has begun since the last
+        one installed (:meth:`mark_quiet`); never while another stream of ``f`` arrives
+        (``busy``). Taking the anchors makes ``f`` busy until a value begun after no other is
+        installed, so two values never share them; a value refused or superseded leaves ``f``
+        busy and later values take the pooled path. Pushes of ``f`` are read by this same
+        thread (DeltaSource), and a commit of ``f`` is sent only after our push was received."""
         whole = self._whole[f]
-        if whole is None or dtype != "float32" or len(self._x._anchors) < len(self._x._pieces):
-            return None
+        ready = whole is not None and dtype == "float32" and len(self._x._anchors) == len(self._x._pieces)
+        take, arrival = self._quiet.begin(f, ready and not busy)
+        if not take or whole is None:
+            return None, arrival
         sizes = [spec.numel for spec in self._x._plan.specs_of(f)]
-        return [self._x._anchors[p][off : off + n] for (_, p, off), n in zip(whole, sizes)]
+        return [self._x._anchors[p][off : off + n] for (_, p, off), n in zip(whole, sizes)], arrival
+
+    def mark_quiet(self, f: int, arrival: int) -> None:
+        """Training thread: value number ``arrival`` of ``f`` is installed; if no value of ``f``
+        has begun arriving since, nothing of the data path uses its anchor until the next one
+        (see :meth:`receive_views`)."""
+        self._quiet.installed(f, arrival)
 
     def master_views(self, f: int) -> Tensors | None:
         """``f``'s fp32 masters as global tensors without a copy (plan order), when this (sync)
@@ -331,6 +347,7 @@ class DataPath:
         self._slotless.discard(f)
         self._install_event[f] = event
         self._x._anchored.add(f)
+        self.mark_quiet(f, self._staged_arrival.pop(f, -1))
 
     # ------------------------------------------------------------------ background worker
     def _snap_of(self, p: int, off: int, n: int) -> torch.Tensor:
@@ -402,7 +419,7 @@ class DataPath:
             self._sent[f] = event
 
     def stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool,
-              timeout_s: float = 300.0) -> int:
+              timeout_s: float = 300.0, arrival: int = 0) -> int:
         """Background, collective over the data group: scatter ``f``'s global values (sync rank
         only; fp32 or bf16, upcast here, off the training thread) straight into every holder's
         anchor; with ``progress`` also turn the slot into ``global − θ_push`` in place.
@@ -410,6 +427,7 @@ class DataPath:
         Returns the bytes the sync rank handed out (each element once), 0 elsewhere."""
         x = self._x
         route = x._routes[f]
+        self._staged_arrival[f] = arrival
         sent = self._sent.pop(f, None)
         if sent is not None and not sent.wait(timeout_s):
             raise TimeoutError(f"stage({f}): the client still reads the push of fragment {f} after {timeout_s:.0f}s")

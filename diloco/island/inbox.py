@@ -49,10 +49,11 @@ class SyncError(RuntimeError):
     """The syncer refused this island for good (e.g. a layout fingerprint mismatch)."""
 
 
-ReceiveTarget = Callable[[int, str], "list[torch.Tensor] | None"]
-"""``(fragment, dtype) -> flat views, one per tensor in plan order`` where a received value of
-that fragment may land directly (the island's anchors), or None for a pooled buffer. Called on
-the I/O thread at a stream's first part."""
+ReceiveTarget = Callable[[int, str, bool], "tuple[list[torch.Tensor] | None, int]"]
+"""``(fragment, dtype, busy) -> (flat views or None, arrival)``, called on the I/O thread at
+the first part of every value of a fragment: where it may land directly (the island's anchors:
+one flat view per tensor in plan order; never when ``busy``, another stream of the fragment
+arriving), or None for a pooled buffer; and the value's arrival number for that fragment."""
 
 
 @dataclass
@@ -61,6 +62,7 @@ class _Assembly:
 
     header: wire.Bcast | wire.Final
     views: list[torch.Tensor]
+    arrival: int = 0
     next_part: int = 0
 
 
@@ -161,8 +163,9 @@ class Inbox:
                 return self._refuse(f"{wire.kind_of(h)} part {h.part} of fragment {h.fragment}: {reason}")
             if got is None:
                 return False
-            h, tensors = got
+            h, tensors, arrival = got
         else:
+            arrival = 0
             if opened.metas:
                 self.stats.refused += 1
                 log.warning("island %d: refused %s carrying tensors", self._cfg.island_id, wire.kind_of(h))
@@ -184,7 +187,7 @@ class Inbox:
             if isinstance(h, wire.Pull):
                 self._on_pull(h)
             elif isinstance(h, wire.Bcast):
-                self._on_bcast(h, tensors)
+                self._on_bcast(h, tensors, arrival)
             elif isinstance(h, wire.Final):
                 if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
                     self._final[h.fragment] = (h, tensors)
@@ -215,7 +218,8 @@ class Inbox:
             self._wake.notify_all()
         return False
 
-    def _assemble(self, h: wire.Bcast | wire.Final, opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors] | None:
+    def _assemble(self, h: wire.Bcast | wire.Final,
+                  opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors, int] | None:
         """Place one BCAST/FINAL part; the whole fragment once its last part is in (else None).
 
         Parts of one stream arrive in order on our connection; a part 0 of a newer
@@ -232,13 +236,18 @@ class Inbox:
         asm = self._assembling.get(key)
         if h.part == 0:
             # Straight into the anchors only when no other stream of this fragment is arriving
-            # and no final value of it is in: two streams must never write one buffer.
-            busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final
-            views = None if busy or self.receive_target is None else self.receive_target(h.fragment, dtype)
+            # and no final value of it is in: two streams must never write one buffer. The final
+            # cut never does: it lands in a pooled buffer and is installed one fragment at a time
+            # (with lost and resent FINALs, a fragment's anchor was seen overwritten before its
+            # digest was taken: tests/diloco/island/test_faults_integ.py, the "lost" case).
+            busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final \
+                or isinstance(h, wire.Final)
+            views, arrival = (None, 0) if self.receive_target is None else self.receive_target(h.fragment, dtype,
+                                                                                                 busy)
             if views is None:
                 flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
                 views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
-            asm = self._assembling[key] = _Assembly(h, views)
+            asm = self._assembling[key] = _Assembly(h, views, arrival)
         elif asm is None or asm.next_part != h.part or asm.header.version != h.version:
             raise wire.WireError(f"part {h.part} of version {h.version} out of order")
         lo, hi = layout.part_range(h.part, self._part_elems)
@@ -247,7 +256,8 @@ class Inbox:
         if asm.next_part < h.n_parts:
             return None
         del self._assembling[key]
-        return asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)]
+        return (asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)],
+                asm.arrival)
 
     def _on_welcome(self, h: wire.Welcome) -> bool:
         problem = wire.check_part_elems(h.part_elems)
@@ -290,7 +300,7 @@ class Inbox:
             for k in sorted(self._pulls_taken, key=lambda k: k[1])[: len(self._pulls_taken) // 2]:
                 del self._pulls_taken[k]
 
-    def _on_bcast(self, h: wire.Bcast, tensors: Tensors) -> None:
+    def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0) -> None:
         if self._final or self._final_ack is not None:
             return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
         floor = self._accepted_version[h.fragment]
@@ -299,4 +309,4 @@ class Inbox:
         self._accepted_version[h.fragment] = h.version
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
-        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors)
+        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival)

@@ -29,6 +29,9 @@ class PendingBcast:
     round: int
     cut: bool
     tensors: Tensors
+    arrival: int = 0
+    """Which arrival of a value of this fragment it was (the data path's receive count): an
+    install of it frees the anchors for received values only if no later value has begun."""
 
 
 class Value(msgspec.Struct, frozen=True):
