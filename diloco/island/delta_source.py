@@ -66,6 +66,13 @@ class DeltaSource:
         return segs
 
 
+    def materialize(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
+        """The whole delta as fresh tensors of the given global shapes (plan order): for tests
+        and tools; the client never does this (it costs one fragment of memory)."""
+        return [(n, torch.sub(s, a).view(shape)) for n, s, a, shape in zip(self.names, self._snaps, self._anchors,
+                                                                             shapes)]
+
+
 class PartRing:
     """``size`` flat fp32 buffers of one part each, handed out round robin: where the client
     computes a DeltaSource's parts. Safe when at most ``size − 1`` parts handed out earlier are

@@ -163,6 +163,7 @@ def _background_checks(rank: int, built: Any, xfer: Any, plan: Any, after: Any, 
 
     from diloco.island.background import Background
     from diloco.island.datapath import DataPath
+    from diloco.island.delta_source import DeltaSource
 
     fails: list[str] = []
     group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=60))
@@ -172,7 +173,11 @@ def _background_checks(rank: int, built: Any, xfer: Any, plan: Any, after: Any, 
     data.snapshot(1)
     built.train_step()  # the masters move on while the push is in flight
     now = xfer.export_fragment(1, delta=False)
-    bg.submit("push", "push", lambda: out.__setitem__("d", data.gather_delta(1)))
+    def push() -> None:  # what the client does with a DeltaSource before the staging may run
+        d = data.gather_delta(1)
+        out["d"] = d.materialize([plan.specs[n].shape for n in d.names]) if isinstance(d, DeltaSource) else d
+
+    bg.submit("push", "push", push)
     g = {n: torch.randn(s.shape, generator=gen) for n, s in plan.specs.items()}
     for f, progress in ((1, True), (2, False)):
         vals = [(n, g[n]) for n in plan.names(f)] if rank == 0 else None
