@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from diloco.syncer.dataplane import CommitPart, FoldPart, Result
 from diloco.syncer.fields import StateFields
 from diloco.syncer.kernels import FLT_MAX, step_bounds
-from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, RoundRecord
+from diloco.syncer.records import FragmentRecord, Outgoing, RoundRecord
 from diloco.wire import Error
 
 if TYPE_CHECKING:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
