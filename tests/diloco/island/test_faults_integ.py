@@ -64,13 +64,15 @@ def test_syncer_gone_for_a_long_while(tmp_path) -> None:
     """The syncer is SIGKILLed and stays away for 10 s, over twice YETO_SYNC_TIMEOUT_S and three
     times --dead-after-s: the islands keep training meanwhile (no step waits on the syncer), redial
     with backoff, rejoin the resumed syncer and end bitwise equal to its final checkpoint."""
-    run = Run(tmp_path, steps=160)
+    # Enough steps (0.05 s each) that training outlasts start-up, one commit and the 10 s away
+    # even when commits come slowly (one snapshot slot per island, a loaded machine).
+    run = Run(tmp_path, steps=400)
     run.start()
     try:
         deadline = time.monotonic() + 90
-        while len(run.commits()) < 2 and time.monotonic() < deadline:
+        while len(run.commits()) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(run.commits()) >= 2, run.syncer_logs()[-3000:]
+        assert len(run.commits()) >= 1, run.syncer_logs()[-3000:]
         run.kill_syncer()
         gone = time.time()
         time.sleep(10.0)
