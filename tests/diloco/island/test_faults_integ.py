@@ -70,9 +70,12 @@ def test_syncer_gone_for_a_long_while(tmp_path) -> None:
     run.start()
     try:
         deadline = time.monotonic() + 90
-        while len(run.commits()) < 1 and time.monotonic() < deadline:
+        # A commit, and its checkpoint on disk (written in the background): the resumed syncer
+        # needs one.
+        while (len(run.commits()) < 1 or not (tmp_path / "ckpt" / "latest").exists()) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(run.commits()) >= 1, run.syncer_logs()[-3000:]
+        assert len(run.commits()) >= 1 and (tmp_path / "ckpt" / "latest").exists(), run.syncer_logs()[-3000:]
         run.kill_syncer()
         gone = time.time()
         time.sleep(10.0)
