@@ -76,8 +76,10 @@ def test_metrics_match_the_event_log_and_healthz_follows_the_loop(
     # While the islands train: healthy, and the text parses.
     code, text = _wait(lambda: (r := _get(base + "/healthz"))[0] == 200 and r, 60, "/healthz 200")
     assert text.startswith("ok")
-    mid = _samples(_get(base + "/metrics")[1])
-    assert mid[("yeto_syncer_phase", (("phase", "running"),))] == 1.0
+    running = ("yeto_syncer_phase", (("phase", "running"),))
+    # The loop publishes a snapshot every 0.5 s: /healthz can answer before the first one.
+    mid = _wait(lambda: (m := _samples(_get(base + "/metrics")[1])).get(running) == 1.0 and m, 60, "phase running")
+    assert mid[running] == 1.0
     for i, p in enumerate(spawned):
         assert p.wait(timeout=180) == 0, (tmp_path / f"island{i}.log").read_text()[-3000:]
     # The loop returned (every island acknowledged the final cut): 503, final values still served.
