@@ -70,8 +70,9 @@ from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
 from diloco.island.datapath import DataPath
 from diloco.island.exchange import exchange_orders
-from diloco.island.lifecycle import StartFinish, _fp32
-from diloco.island.orders import Orders, Value
+from diloco.island.landing import Landings
+from diloco.island.lifecycle import StartFinish
+from diloco.island.orders import Orders
 from diloco.island.planner import Planner
 from diloco.island.transfer import FragmentTransfer
 from diloco.layout.base import LayoutAdapter, group_rank
@@ -87,7 +88,7 @@ class IslandError(RuntimeError):
     """Raised on every rank of the island together when syncing cannot go on."""
 
 
-class Island(StartFinish):
+class Island(StartFinish, Landings):
     """DiLoCo for one island; build on every rank (collective).
 
     Args:
@@ -259,44 +260,6 @@ class Island(StartFinish):
                                  slot_holders=self.data.slot_holders(),
                                  free_slots=self.data.free_slots(), now=time.monotonic())
 
-    def _install_all(self, orders: Orders, events: list[dict]) -> float:
-        """Install fragments staged on every rank: the masters in place, then one refresh."""
-        t0 = time.monotonic()
-        for value in orders.applies:
-            st = self.planner.take_staged(value.fragment)
-            self.data.install(value.fragment, st.mode, self.cfg.alpha)
-            self._installed(value, st.mode == "progress", events, {"data_bytes": st.data_bytes, "mode": st.mode})
-        if orders.applies:
-            # One model-copy refresh (DP all-gather of the applied fragments' buckets) per boundary.
-            self.transfer.refresh(v.fragment for v in orders.applies)
-        return time.monotonic() - t0
-
-    def _installed(self, value: Value, progress: bool, events: list[dict], extra: dict) -> None:
-        """Record an install in the planner and the boundary's events."""
-        lag = self.planner.installed(value, progress, self.step)
-        f = value.fragment
-        if value.cut:
-            events.append({"type": "cut", "fragment": f, "version": value.version, **extra})
-        else:
-            events.append({"type": "apply", "fragment": f, "version": value.version, "round": value.round, **extra,
-                           "lag_steps": lag})
-
-    def _stage_all(self, orders: Orders) -> None:
-        """Start the background scatter of newly received global values."""
-        self.planner.mark_stale(orders.stale)
-        for value in orders.stages:
-            f = value.fragment
-            pending = self.planner.take_pending(f) if self.is_sync else None
-            values, arrival = (pending.tensors, pending.arrival) if pending is not None else (None, 0)
-            del pending
-            data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
-            mode = self.planner.staging_mode(value, self.data.holds_snapshot(f))
-            seq = self.bg.submit("stage", f"staging of fragment {f} version {value.version}",
-                                 functools.partial(self.data.stage, f, values, mode == "progress",
-                                                   self.cfg.transfer_timeout_s, arrival))
-            del values
-            self.planner.staged(value, mode, seq, data_bytes)
-
     def _push_all(self, orders: Orders, events: list[dict]) -> float:
         """Snapshot each pushed fragment (training thread) and hand the rest to the background."""
         t0 = time.monotonic()
@@ -336,29 +299,6 @@ class Island(StartFinish):
         self.data.push_sent(f, accepted)
         del delta
         self._sent.append((f, pull.round, pull.attempt, steps, data_bytes, accepted is not None))
-
-    def _apply_sync(self, orders: Orders, events: list[dict]) -> float:
-        """Start-up only (nothing in the background yet): install cut fragments synchronously.
-        Returns the seconds spent."""
-        t0 = time.monotonic()
-        for value in orders.applies:
-            values = None
-            data_bytes = 0
-            arrival = 0
-            if self.is_sync:
-                pending = self.planner.take_pending(value.fragment)
-                received, arrival = pending.tensors, pending.arrival
-                data_bytes = sum(t.numel() * t.element_size() for _, t in received)  # as it came, wire dtype
-                values = _fp32(received)
-                del received, pending
-            self.transfer.apply_fragment(value.fragment, values, alpha=0.0 if value.cut else self.cfg.alpha,
-                                         refresh=False)
-            self.data.mark_quiet(value.fragment, arrival)
-            del values
-            self._installed(value, False, events, {"data_bytes": data_bytes})
-        if orders.applies:
-            self.transfer.refresh(v.fragment for v in orders.applies)
-        return time.monotonic() - t0
 
     def _end_boundary(self, phase: str, step: int, t0: float, step_s: float, export_s: float, apply_s: float,
                       wait_s: float, events: list[dict], loss: float | None) -> BoundaryRecord:

@@ -1,9 +1,8 @@
 """The background data path of one rank: push = snapshot + background gather, apply = background
 staging + short install.
 
-Why: at real model sizes the synchronous export / apply of :mod:`diloco.island.transfer` cost
-the training loop most of a second per fragment (device copies, host arithmetic, gloo
-traffic, all on the training thread). Here the training thread pays only for
+The training thread never carries a fragment's transfer (device copies, host arithmetic, gloo
+traffic); it pays only for
 
 * **snapshot** (:meth:`DataPath.snapshot`): a copy of this rank's pieces of the fragment's
   fp32 masters into reused host buffers. On an accelerator it is an async device-to-host
@@ -18,8 +17,9 @@ Everything else runs on the background worker (:mod:`diloco.island.background`),
 *data group* (its own gloo group): :meth:`gather_delta` (``snapshot − anchor`` on the owning
 ranks, gathered to the sync rank into pooled global tensors) and :meth:`stage` (the sync
 rank sends every primary holder only its own slice, primaries forward to replicas, each
-rank receives into its staging buffer and precomputes the progress correction
-``global − snapshot``).
+rank receives into its anchor and precomputes the progress correction ``global − snapshot``).
+The two cuts stage through the same :meth:`DataPath.stage` on the island group, at once, while
+no step runs (``diloco.island.landing``: the one install path).
 
 Buffers, each with a budget (logged at start by :meth:`DataPath.preallocate`):
 
@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from diloco.island.delta_source import DeltaSource
 from diloco.island.quiet import QuietAnchors
-from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer, ShardSlices
+from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer
 from diloco.layout.base import group_rank
 from gloo_bridge import device as dev
 
@@ -315,13 +315,13 @@ class DataPath:
             dev.stream_wait_event(main, done)
             self._snap_event = done
 
-    def install(self, f: int, mode: str, alpha: float = 0.0) -> None:
+    def install(self, f: int, mode: str, alpha: float = 0.0, fused: bool = True) -> None:
         """Write ``f``'s masters from what :meth:`stage` staged (the anchor holds the global).
 
         ``mode``: ``"cut"`` (master ← global), ``"progress"`` (master ← master + (global −
         θ_push), the correction :meth:`stage` left in the slot), ``"blend"`` (master ←
-        α·master + (1−α)·global; exactly the global when α == 0). Frees the slot if ``f``
-        held it."""
+        α·master + (1−α)·global; exactly the global when α == 0; ``fused``: in place as one
+        multiply-add, else each term rounded on its own). Frees the slot if ``f`` held it."""
         if mode not in ("cut", "progress", "blend"):
             raise ValueError(f"install: unknown mode {mode!r}")
         if mode == "progress" and f not in self._owners:
@@ -336,9 +336,11 @@ class DataPath:
                 master.add_(work.to(master.device, non_blocking=True) if nb else work)
             elif mode == "cut" or alpha == 0.0:
                 master.copy_(anchor, non_blocking=nb)
-            else:
+            elif fused:
                 src = anchor.to(master.device, non_blocking=True) if nb else anchor
                 master.mul_(alpha).add_(src, alpha=1.0 - alpha)
+            else:
+                master.copy_(master * alpha + anchor.to(master.device) * (1.0 - alpha))
             if nb:
                 event = dev.record_event(dev.current_stream(master.device))
         if f in self._owners:
@@ -421,10 +423,23 @@ class DataPath:
     def stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool,
               timeout_s: float = 300.0, arrival: int = 0) -> int:
         """Background, collective over the data group: scatter ``f``'s global values (sync rank
-        only; fp32 or bf16, upcast here, off the training thread) straight into every holder's
-        anchor; with ``progress`` also turn the slot into ``global − θ_push`` in place.
+        only; fp32 or bf16, upcast one segment at a time, off the training thread) straight into
+        every holder's anchor; with ``progress`` also turn the slot into ``global − θ_push`` in
+        place. ``arrival`` numbers the value for :meth:`mark_quiet` at its install.
 
         Returns the bytes the sync rank handed out (each element once), 0 elsewhere."""
+        return self._stage(f, values, progress, timeout_s, arrival, self._group)
+
+    def stage_now(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, group: dist.ProcessGroup,
+                  timeout_s: float = 300.0, arrival: int = 0) -> int:
+        """Training thread, collective over ``group`` (the island group), while no step runs and
+        nothing of ``f`` is in the background: what :meth:`stage` does, without the progress
+        correction. ``arrival`` -1: the install leaves ``f`` busy (no value lands in its anchor
+        on arrival after it)."""
+        return self._stage(f, values, False, timeout_s, arrival, group)
+
+    def _stage(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None, progress: bool,
+               timeout_s: float, arrival: int, g: dist.ProcessGroup) -> int:
         x = self._x
         route = x._routes[f]
         self._staged_arrival[f] = arrival
@@ -439,17 +454,18 @@ class DataPath:
             return x.anchor_of(h_piece)[off : off + n]
 
         mine = route.apply.get(self._me, []) if self._me != self._sync else []
-        works = [x._irecv(slot(h.piece, h.off, seg.n), self._sync, _TAG_APPLY, self._group) for seg, h in mine]
+        works = [x._irecv(slot(h.piece, h.off, seg.n), self._sync, _TAG_APPLY, g) for seg, h in mine]
         fwd_in = [(p, n, h) for (p, q), items in sorted(route.forward.items()) if q == self._me for _, n, h in items]
-        fwd_works = [x._irecv(slot(h.piece, h.off, n), p, _TAG_FORWARD, self._group) for p, n, h in fwd_in]
+        fwd_works = [x._irecv(slot(h.piece, h.off, n), p, _TAG_FORWARD, g) for p, n, h in fwd_in]
         handed = 0
         keep: list[torch.Tensor] = []
         if self._me == self._sync:
-            handed, sends = self._scatter(f, values, keep)
+            handed, sends, sent_bytes = x.scatter_to_anchors(f, values, g, keep)
+            self.bytes_sent += sent_bytes
             works += sends
         x._wait(works)
         sends = [
-            x._isend(slot(hp.piece, hp.off, n), q, _TAG_FORWARD, self._group)
+            x._isend(slot(hp.piece, hp.off, n), q, _TAG_FORWARD, g)
             for (p, q), items in sorted(route.forward.items())
             if p == self._me
             for hp, n, _ in items
@@ -464,39 +480,3 @@ class DataPath:
                 work = self._slot_views[p][off : off + n]
                 torch.sub(x.anchor_of(p)[off : off + n], work, out=work)
         return handed
-
-    def _scatter(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None,
-                 keep: list[torch.Tensor]) -> tuple[int, list[dist.Work]]:
-        x = self._x
-        route = x._routes[f]
-        specs = x._plan.specs_of(f)
-        if values is None or len(values) != len(specs):
-            raise ValueError(f"stage({f}): expected {len(specs)} tensors on the sync rank")
-        table: dict[str, torch.Tensor] = {}
-        for (name, t), spec in zip(values, specs):
-            if name != spec.name or tuple(t.shape) != spec.shape or t.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"stage({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape}")
-            table[name] = t.contiguous()
-        flat = ShardSlices(table)
-
-        works, network, own = [], 0, 0
-        for dst, items in sorted(route.apply.items()):
-            if dst == self._sync:
-                continue
-            for seg, _ in items:
-                network += seg.n * 4
-                t = flat(seg)
-                if t.dtype != torch.float32:  # the bf16 wire: upcast here, one segment at a time
-                    t = t.float()
-                keep.append(t)
-                self.bytes_sent += 4 * seg.n
-                works.append(x._isend(t, dst, _TAG_APPLY, self._group))
-        primaries = {(s.name, s.shard.key(), s.a) for d, items in route.apply.items() if d != self._sync
-                     for s, _ in items}
-        for seg, h in route.apply.get(self._sync, []):
-            dst, src = x.anchor_of(h.piece)[h.off : h.off + seg.n], flat(seg)
-            if dst.data_ptr() != src.data_ptr():  # a value received straight into the anchor
-                dst.copy_(src)
-            if (seg.name, seg.shard.key(), seg.a) not in primaries:
-                own += seg.n * 4
-        return network + own, works

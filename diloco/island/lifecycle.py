@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from diloco import wire
 from diloco.config import IslandConfig
-from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
 from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
@@ -67,7 +66,8 @@ class StartFinish:
         def _raise_if(self, orders: Orders) -> None: ...
         def _fail(self, why: str) -> NoReturn: ...
         def _collect(self) -> None: ...
-        def _apply_sync(self, orders: Orders, events: list[dict]) -> float: ...
+        def _install_initial(self, orders: Orders, events: list[dict]) -> float: ...
+        def _install_final(self, events: list[dict]) -> float: ...
         def _exchange(self, orders: Orders | None) -> Orders: ...
         def _execute(self, orders: Orders, events: list[dict]) -> tuple[float, float]: ...
         def _decide(self, finishing: bool) -> Orders: ...
@@ -194,7 +194,7 @@ class StartFinish:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
-            apply_s += self._apply_sync(orders, events)
+            apply_s += self._install_initial(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(s.version >= 0 for s in self.planner.slots)
                 log.info("initial cut: %d/%d fragments installed (%.1fs)", done, self.plan.n_fragments,
@@ -275,65 +275,7 @@ class StartFinish:
         except SyncError as exc:
             return Orders(error=str(exc))
 
-    def _install_final(self, events: list[dict]) -> float:
-        """Install the final cut fragment by fragment as each arrives (collective): the sync rank
-        holds one fragment of it at a time. Then acknowledge with the digests."""
-        t0 = time.monotonic()
-        deadline = time.monotonic() + self.cfg.final_timeout_s
-        data_bytes = 0
-        digests: list[str] = []
-        versions: list[int] = [0] * self.plan.n_fragments
-        for f in range(self.plan.n_fragments):
-            values, error = None, None
-            if self.is_sync:
-                values, header, error = self._take_final(f, deadline)
-                if values is not None and header is not None:
-                    versions = list(header.versions)
-                    data_bytes += sum(t.numel() * t.element_size() for _, t in values)
-                    values = _fp32(values)
-                    digests.append(tensor_digest(values))  # what we install: the syncer checks it
-            self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
-                                            self.cfg.sync_rank))
-            self.transfer.apply_fragment(f, values, alpha=0.0, refresh=False)
-            del values
-        self.transfer.refresh(range(self.plan.n_fragments))
-        # Every rank learns the final versions from one broadcast (the manifest).
-        vers = torch.tensor(versions, dtype=torch.int64)
-        dist.broadcast(vers, group=self.group, group_src=self.cfg.sync_rank)
-        self.planner.final_installed([int(v) for v in vers])
-        if self.is_sync and self.client is not None:
-            self.client.send_final_ack(self.versions, digests)
-            self.client.pool.clear()
-        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
-        if self.is_sync:
-            log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
-        return time.monotonic() - t0
-
-    def _take_final(self, f: int, deadline: float) -> tuple[Tensors | None, wire.Final | None, str | None]:
-        """Sync rank: fragment ``f`` of the final cut, waiting for it until ``deadline``;
-        (values, header, None) or (None, None, why not)."""
-        assert self.client is not None
-        try:
-            while True:
-                got = self.client.take_final(f)
-                if got is not None:
-                    header, values = got
-                    problem = self._check_values(f, values)
-                    if problem:
-                        return None, None, f"the syncer's final cut does not match our plan: {problem}"
-                    return values, header, None
-                if time.monotonic() > deadline:
-                    return None, None, (f"fragment {f} of the final cut did not arrive within "
-                                        f"{self.cfg.final_timeout_s:.0f}s")
-                self.client.wait_event(0.05)
-        except SyncError as exc:
-            return None, None, str(exc)
-
-
 def fragment_layouts(plan: FragmentPlan) -> list[wire.FragmentLayout]:
     """The flat stream of every fragment (names and global shapes in plan order)."""
     return [wire.FragmentLayout.of([(s.name, s.shape) for s in plan.specs_of(f)]) for f in range(plan.n_fragments)]
 
-
-def _fp32(tensors: Tensors) -> Tensors:
-    return [(name, t if t.dtype == torch.float32 else t.to(torch.float32)) for name, t in tensors]

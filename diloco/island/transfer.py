@@ -177,8 +177,8 @@ class FragmentTransfer:
         self._pieces = layout.local_pieces()
         self._anchors: dict[int, torch.Tensor] = {}
         # Exported global tensors are freed once sent, and the next export needs the same
-        # sizes (layers share shapes): reusing their pages avoids first-touch page faults,
-        # which on our hosts cost more than the transfer itself. One fragment's worth idle.
+        # sizes (layers share shapes): reusing their pages avoids first-touch page faults on
+        # every export. One fragment's worth idle.
         largest = max((plan.nbytes(f) for f in range(plan.n_fragments)), default=0)
         self._pool = HostBufferPool(max_idle_bytes=largest)
         self._anchored: set[int] = set()
@@ -459,3 +459,40 @@ class FragmentTransfer:
                 own += seg.n * 4
         self.last_apply_network_bytes = network
         return network + own, works
+
+    def scatter_to_anchors(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None,
+                           group: dist.ProcessGroup, keep: list[torch.Tensor]) -> tuple[int, list[dist.Work], int]:
+        """Sync rank side of hop 1 of a staged apply, on ``group``: send every primary holder its
+        slice of ``values`` (fp32 or bf16, upcast one segment at a time; the upcast copies go
+        into ``keep`` until the sends complete) and write the sync rank's own anchors. Writes no
+        master. Returns (bytes handed out, each element once; the send works; network bytes)."""
+        route = self._routes[f]
+        specs = self._plan.specs_of(f)
+        if values is None or len(values) != len(specs):
+            raise ValueError(f"stage({f}): expected {len(specs)} tensors on the sync rank")
+        table: dict[str, torch.Tensor] = {}
+        for (name, t), spec in zip(values, specs):
+            if name != spec.name or tuple(t.shape) != spec.shape or t.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"stage({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape}")
+            table[name] = t.contiguous()
+        flat = ShardSlices(table)
+        works, network, own = [], 0, 0
+        for dst, items in sorted(route.apply.items()):
+            if dst == self._sync:
+                continue
+            for seg, _ in items:
+                network += seg.n * 4
+                t = flat(seg)
+                if t.dtype != torch.float32:  # the bf16 wire: upcast here, one segment at a time
+                    t = t.float()
+                keep.append(t)
+                works.append(self._isend(t, dst, _TAG_APPLY, group))
+        primaries = {(s.name, s.shard.key(), s.a) for d, items in route.apply.items() if d != self._sync
+                     for s, _ in items}
+        for seg, h in route.apply.get(self._sync, []):
+            dst, src = self._anchor(h, seg.n), flat(seg)
+            if dst.data_ptr() != src.data_ptr():  # a value received straight into the anchor
+                dst.copy_(src)
+            if (seg.name, seg.shard.key(), seg.a) not in primaries:
+                own += seg.n * 4
+        return network + own, works, network
