@@ -128,8 +128,8 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
 
     Pinned memory lets device copies run at full link speed and asynchronously;
     it is a scarce OS resource, so callers cache and reuse these buffers. On CUDA the
-    buffer is one plain allocation registered with ``cudaHostRegister`` (exact size, about
-    18 GB/s to pin; unregistered when the tensor dies), never torch's caching host
+    buffer is one plain allocation registered with ``cudaHostRegister`` (exact size;
+    unregistered when the tensor dies), never torch's caching host
     allocator, which rounds every block up to a power of two and keeps it for the life of
     the process. Elsewhere, or if registering fails, ``pin_memory=True``.
     """

@@ -9,15 +9,15 @@ original function with host tensors. ``patching.py`` decides *whether* a call
 is bridged; this module only knows *how*.
 
 Emulations (chosen to work on every torch >= 2.4 gloo, whatever its version):
-- ``ReduceOp.AVG`` -> SUM then divide by the group size (gloo only recently
-  accepts AVG); integer AVG is refused.
+- ``ReduceOp.AVG`` -> SUM then divide by the group size (not every supported
+  gloo accepts AVG); integer AVG is refused.
 - ``reduce_scatter_tensor`` / ``_reduce_scatter_base`` -> all_reduce of a
   scratch copy, then each rank keeps its slice (group-size times the traffic
   of a real reduce-scatter; correct, and simple to reason about).
 - ``all_gather_into_tensor`` / ``_all_gather_base`` -> all_gather into equal
   views of one flat host buffer.
 - ``ReduceOp.PREMUL_SUM`` (NCCL only) is refused with an error naming the op.
-bf16 and fp16 sums run natively: gloo reduces them (checked on torch 2.13).
+bf16 and fp16 sums run natively: gloo reduces them.
 
 Every rank runs the same gloo calls in the same order whether its tensors are
 on the device or not, so mixed device/CPU callers cannot desynchronize a group.

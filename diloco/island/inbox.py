@@ -1,29 +1,28 @@
-"""What the island's I/O thread does with each message from the syncer (see ``diloco.island.client``).
+"""What a message from the syncer means: the receive rules of :class:`ClientProtocol`.
 
-The receive rules, methods of :class:`diloco.island.client.SyncClient` (the send rules are
+Methods of :class:`diloco.island.client_protocol.ClientProtocol` (the send rules are
 ``diloco.island.outbox``): every message is opened (MAC, header, declared sizes) and checked
 against this connection's session before anything of it is used; BCAST and FINAL parts are
 checked against the plan and assembled in order, straight into the island's anchors where
 ``receive_target`` offers them, else into one pooled buffer; pulls and broadcasts are
-deduplicated for the boundary;
-ERROR codes decide between a refusal, a rejoin and a fatal error.  Any decode failure is a
-refusal counted in the stats, never an exception on the I/O thread.  Runs on the I/O thread.
+deduplicated for the boundary; ERROR codes decide between a refusal, a rejoin and a fatal
+error. Any decode failure is a refusal counted in the stats, never an exception. No I/O:
+frames and the time in, :class:`~diloco.island.client_protocol.Effects` out.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.island.effects import BACKOFF_START_S, Effects
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals
 
@@ -45,10 +44,6 @@ previous process of this island id may just have died: its binding lapses after 
 ``wait_welcome`` turns it into a fatal error at its timeout. Once welcomed, it is fatal at once."""
 
 
-class SyncError(RuntimeError):
-    """The syncer refused this island for good (e.g. a layout fingerprint mismatch)."""
-
-
 ReceiveTarget = Callable[[int, str, bool], "tuple[list[torch.Tensor] | None, int]"]
 """``(fragment, dtype, busy) -> (flat views or None, arrival)``, called on the I/O thread at
 the first part of every value of a fragment: where it may land directly (the island's anchors:
@@ -67,14 +62,13 @@ class _Assembly:
 
 
 class Inbox:
-    """Receive rules of the sync client (methods of ``SyncClient``; I/O thread)."""
+    """Receive rules (methods of ``ClientProtocol``; the connection's thread)."""
 
-    # Provided by SyncClient.
+    # Provided by ClientProtocol.
     _cfg: IslandConfig
     _layouts: list[wire.FragmentLayout]
     _n_fragments: int
-    _lock: threading.Lock
-    _wake: threading.Condition
+    _guard: AbstractContextManager[object]
     stats: ClientStats
     pool: wire.HostBufferPool
     _welcome: wire.Welcome | None
@@ -96,32 +90,38 @@ class Inbox:
     _recv_seq: int
     _feedback: quant.ErrorFeedback | None
     _assembling: dict[tuple[str, int], _Assembly]
+    _last_heard: float
+    _backoff: float
     receive_target: ReceiveTarget | None
+    liveness: Liveness
 
-    if TYPE_CHECKING:
-        def _resend_final_ack(self) -> None: ...
-        def _on_progress(self, h: wire.Progress) -> None: ...
-        liveness: Liveness
+    def handle(self, frames: list[Any], now: float) -> Effects:
+        """One message from the syncer (its frames: zmq frames or bytes-like), received at
+        ``now``; what the connection must do about it.
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> bool:
-        """Handle one message from the syncer; True asks the I/O loop to redial.
-
-        Counted once handled, so a reader that sees the counter move also sees its effect.
-        """
+        Any message counts as hearing from the syncer; one carrying tensors (a BCAST or FINAL
+        part) moves the progress clocks. Counted in the stats once handled, so a reader that
+        sees the counter move also sees its effect."""
+        self._last_heard = now
+        sizes = [_nbytes(f) for f in frames]
+        if len(frames) > 2:  # only BCAST / FINAL parts carry tensors
+            self.liveness.on_value_part(sum(sizes[2:]), now)
+        out = Effects()
         try:
-            return self._handle(frames)
+            self._handle(frames, now, out)
         finally:
-            total = sum(len(f.buffer) for f in frames)
-            data = sum(len(f.buffer) for f in frames[2:])
+            total, data = sum(sizes), sum(sizes[2:])
             self.stats.messages_recv += 1
             self.stats.bytes_recv += total
             self.stats.data_bytes_recv += data
             self.stats.control_bytes_recv += total - data
+        if out.redial_s is None:
+            self._backoff = BACKOFF_START_S
+        return out
 
-    def _refuse(self, what: str) -> bool:
+    def _refuse(self, what: str) -> None:
         self.stats.refused += 1
         log.warning("island %d: refused %s", self._cfg.island_id, what)
-        return False
 
     def _check_session(self, opened: wire.Opened) -> str | None:
         """Why a message does not belong to this connection (None if it does); see docs/SECURITY.md.
@@ -143,12 +143,12 @@ class Inbox:
         self._recv_seq = opened.seq
         return None
 
-    def _handle(self, frames: list[zmq.Frame]) -> bool:
+    def _handle(self, frames: list[Any], now: float, out: Effects) -> None:
         try:
             opened = wire.open_message(frames, key=self._cfg.key)
         except wire.WireError as exc:
             return self._refuse(f"a message from the syncer: {exc.reason}")
-        except Exception as exc:  # noqa: BLE001 - a decoder gap is a refusal, never a dead I/O thread
+        except Exception as exc:  # noqa: BLE001 - a decoder gap is a refusal, never a dead connection
             return self._refuse(f"an undecodable message from the syncer: {type(exc).__name__}: {exc}")
         problem = self._check_session(opened)
         if problem:
@@ -162,61 +162,80 @@ class Inbox:
                 reason = exc.reason if isinstance(exc, wire.WireError) else f"{type(exc).__name__}: {exc}"
                 return self._refuse(f"{wire.kind_of(h)} part {h.part} of fragment {h.fragment}: {reason}")
             if got is None:
-                return False
+                return None
             h, tensors, arrival = got
         else:
             arrival = 0
             if opened.metas:
                 self.stats.refused += 1
                 log.warning("island %d: refused %s carrying tensors", self._cfg.island_id, wire.kind_of(h))
-                return False
+                return None
             tensors = []
-        with self._lock:
-            if isinstance(h, wire.Welcome):
-                return self._on_welcome(h)
-            if isinstance(h, wire.Progress):
-                self._on_progress(h)  # diloco.island.liveness: what a waiting island counts as moving
-                return False
-            if isinstance(h, wire.Heartbeat):
-                self.liveness.on_heartbeat_reply(time.monotonic())
-                if self._syncer_id is not None and h.syncer_id != self._syncer_id:
-                    log.warning("island %d: the syncer restarted (id %x -> %x), rejoining", self._cfg.island_id,
-                                self._syncer_id, h.syncer_id)
-                    return True
-                return False
-            if isinstance(h, wire.Pull):
-                self._on_pull(h)
-            elif isinstance(h, wire.Bcast):
-                self._on_bcast(h, tensors, arrival)
-            elif isinstance(h, wire.Final):
-                if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
-                    self._final[h.fragment] = (h, tensors)
-            elif isinstance(h, wire.Shutdown):
-                log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
-                self._shutdown = h.reason or "shutdown"
-            elif isinstance(h, wire.Error):
-                if h.code in _REJOIN_CODES:
-                    # The syncer does not know our generation: it restarted (or dropped us).
-                    log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
-                                h.code, h.reason)
-                    return True
-                log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
-                if h.code == "island_in_use":
-                    self._last_refusal = f"[{h.code}] {h.reason}"
-                    if self._syncer_id is None:
-                        self._redial_delay = _IN_USE_RETRY_S  # the old process may just have died
-                        return True
-                    self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
-                elif h.code == "stale_base" and 0 <= h.fragment < self._n_fragments:
-                    # The syncer sends the fragment's current value, then this PULL again: answer it.
-                    self._pulls_taken.pop((h.fragment, h.round), None)
-                    self._stale.append((h.fragment, h.round))
-                if h.code in _FATAL_CODES:
-                    self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
-            else:
-                log.warning("island %d: unexpected %s from the syncer ignored", self._cfg.island_id, type(h).__name__)
-            self._wake.notify_all()
-        return False
+        with self._guard:
+            self._deliver(h, tensors, arrival, now, out)
+        return None
+
+    def _deliver(self, h: wire.Header, tensors: Tensors, arrival: int, now: float, out: Effects) -> None:
+        """A whole message of this session: its effect on the parked tables (inside the guard)."""
+        if isinstance(h, wire.Welcome):
+            self._on_welcome(h, out)
+            return
+        if isinstance(h, wire.Progress):
+            self._on_progress(h, now)  # diloco.island.liveness: what a waiting island counts as moving
+            return
+        if isinstance(h, wire.Heartbeat):
+            self.liveness.on_heartbeat_reply(now)
+            if self._syncer_id is not None and h.syncer_id != self._syncer_id:
+                log.warning("island %d: the syncer restarted (id %x -> %x), rejoining", self._cfg.island_id,
+                            self._syncer_id, h.syncer_id)
+                out.redial_s = self._take_redial_delay()
+            return
+        if isinstance(h, wire.Pull):
+            self._on_pull(h)
+        elif isinstance(h, wire.Bcast):
+            self._on_bcast(h, tensors, arrival)
+        elif isinstance(h, wire.Final):
+            if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
+                self._final[h.fragment] = (h, tensors)
+        elif isinstance(h, wire.Shutdown):
+            log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
+            self._shutdown = h.reason or "shutdown"
+        elif isinstance(h, wire.Error):
+            if h.code in _REJOIN_CODES:
+                # The syncer does not know our generation: it restarted (or dropped us).
+                log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
+                            h.code, h.reason)
+                out.redial_s = self._take_redial_delay()
+                return
+            log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
+            if h.code == "island_in_use":
+                self._last_refusal = f"[{h.code}] {h.reason}"
+                if self._syncer_id is None:
+                    self._redial_delay = _IN_USE_RETRY_S  # the old process may just have died
+                    out.redial_s = self._take_redial_delay()
+                    return
+                self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
+            elif h.code == "stale_base" and 0 <= h.fragment < self._n_fragments:
+                # The syncer sends the fragment's current value, then this PULL again: answer it.
+                self._pulls_taken.pop((h.fragment, h.round), None)
+                self._stale.append((h.fragment, h.round))
+            if h.code in _FATAL_CODES:
+                self._fatal = f"syncer refused island {self._cfg.island_id}: [{h.code}] {h.reason}"
+        else:
+            log.warning("island %d: unexpected %s from the syncer ignored", self._cfg.island_id, type(h).__name__)
+        out.wake = True
+
+    def _take_redial_delay(self) -> float:
+        """How long to wait before the redial a message asked for (then 0 again)."""
+        delay, self._redial_delay = self._redial_delay, 0.0
+        return delay
+
+    def _on_progress(self, h: wire.Progress, now: float) -> None:
+        """A PROGRESS notice: counted by the progress clocks, refused if malformed."""
+        problem = self.liveness.on_progress(h, now)
+        if problem:
+            self.stats.refused += 1
+            log.warning("island %d: refused %s", self._cfg.island_id, problem)
 
     def _assemble(self, h: wire.Bcast | wire.Final,
                   opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors, int] | None:
@@ -237,9 +256,8 @@ class Inbox:
         if h.part == 0:
             # Straight into the anchors only when no other stream of this fragment is arriving
             # and no final value of it is in: two streams must never write one buffer. The final
-            # cut never does: it lands in a pooled buffer and is installed one fragment at a time
-            # (with lost and resent FINALs, a fragment's anchor was seen overwritten before its
-            # digest was taken: tests/diloco/island/test_faults_integ.py, the "lost" case).
+            # cut never does: it lands in a pooled buffer and is installed one fragment at a time,
+            # so a resent FINAL cannot write an anchor before the installed value's digest is taken.
             busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final \
                 or isinstance(h, wire.Final)
             views, arrival = (None, 0) if self.receive_target is None else self.receive_target(h.fragment, dtype,
@@ -259,7 +277,7 @@ class Inbox:
         return (asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)],
                 asm.arrival)
 
-    def _on_welcome(self, h: wire.Welcome) -> bool:
+    def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)
         if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments or problem:
             self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments "
@@ -275,14 +293,13 @@ class Inbox:
                     self._feedback.reset_all()
             if self._final_ack is not None and h.syncer_id == self._syncer_id:
                 # A redial after we acknowledged the final cut: the syncer forgot the ack.
-                self._resend_final_ack()
+                out.send.append(self._final_ack)
             self._syncer_id = h.syncer_id
             self._part_elems = h.part_elems
             self._nonce = h.nonce
             self._welcome = h
             self._last_refusal = None
-        self._wake.notify_all()
-        return False
+        out.wake = True
 
     def _on_pull(self, h: wire.Pull) -> None:
         if not 0 <= h.fragment < self._n_fragments or h.round < 1 or h.attempt < 0:
@@ -310,3 +327,9 @@ class Inbox:
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival)
+
+
+def _nbytes(frame: Any) -> int:
+    """Bytes of one frame (a zmq frame or anything bytes-like)."""
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf).nbytes

@@ -30,9 +30,9 @@ from diloco.wire.rates import RateMeter
 class Liveness:
     """Progress clocks and link measurements of one sync client."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: float | None = None) -> None:
         self._lock = threading.Lock()
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         self._cut_at = now
         self._any_at = now
         self._last: tuple[int, int, int, int] | None = None

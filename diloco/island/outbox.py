@@ -1,31 +1,31 @@
-"""The send side of the island's connection to the syncer (methods of ``SyncClient``; I/O thread).
+"""What the island sends and how: the send rules of :class:`ClientProtocol` (no I/O).
 
-What the client sends and how: control messages (HEARTBEAT, FINAL_ACK, zero-weight PUSH) go
-out at once; INIT and PUSH streams are cut into parts of the syncer's size and paced
+Methods of :class:`diloco.island.client_protocol.ClientProtocol`: control messages
+(HEARTBEAT, FINAL_ACK, zero-weight PUSH) go out at once; INIT and PUSH streams are cut into
+parts of the syncer's size (:meth:`Outbox.stream_of`), which the connection paces
 (``diloco.wire.pacing``: at most ``WINDOW`` parts of ours in zmq's queue, so a heartbeat never
 waits behind a whole fragment); every message is sealed with the connection's session nonce
-and the next sequence number at the moment zmq gets it, and stamped with the current
-generation. Low-bit pushes are quantized part by part with error feedback (``diloco.quant``);
-a push computed part by part (``DeltaSource``) lands in a ring of ``WINDOW`` part buffers.
-After a redial INIT streams restart from part 0; pushes are abandoned (the syncer pulls again).
+and the next sequence number at the moment it is handed to the socket, and stamped with the
+current generation. Low-bit pushes are quantized part by part with error feedback
+(``diloco.quant``); a push computed part by part (``DeltaSource``) lands in a ring of
+``WINDOW`` part buffers. After a redial INIT streams restart from part 0; pushes are abandoned
+(the syncer pulls again): :meth:`Outbox.streams_after_redial`.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
-import zmq
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.delta_source import DeltaSource, PartRing
-from diloco.wire.pacing import Pacer, Stream
+from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
     from diloco.island.liveness import Liveness
@@ -70,21 +70,16 @@ class Outgoing:
 
 
 class Outbox:
-    """Send rules of the sync client (methods of ``SyncClient``; I/O thread unless said)."""
+    """Send rules (methods of ``ClientProtocol``; the connection's thread unless said)."""
 
-    # Provided by SyncClient.
+    # Provided by ClientProtocol.
     _cfg: IslandConfig
     _layouts: list[wire.FragmentLayout]
-    _lock: threading.Lock
-    _outbox: queue.Queue[Outgoing]
-    _control: queue.SimpleQueue[Outgoing]
-    _streams: list[Outgoing]
-    _welcome: wire.Welcome | None
+    _guard: AbstractContextManager[object]
     _part_elems: int
     _generation: int
     _step: int
     _done: bool
-    _final_ack: wire.FinalAck | None
     _seed: int
     _nonce: int
     _send_seq: int
@@ -93,44 +88,32 @@ class Outbox:
     stats: ClientStats
     liveness: Liveness
 
-    @property
-    def generation(self) -> int:
-        """The generation of the current connection (thread-safe)."""
-        with self._lock:
-            return self._generation
+    if TYPE_CHECKING:
+        @property
+        def generation(self) -> int: ...
 
-    def _enqueue_heartbeat(self) -> None:
-        with self._lock:
-            hb = wire.Heartbeat(island=self._cfg.island_id, generation=self._generation, step=self._step,
-                                done=self._done, **self.liveness.report())
-        self._control.put(Outgoing(hb))
+    def heartbeat(self) -> wire.Heartbeat:
+        """A HEARTBEAT of the current connection: our step and what our link measured (any thread)."""
+        with self._guard:
+            return wire.Heartbeat(island=self._cfg.island_id, generation=self._generation, step=self._step,
+                                  done=self._done, **self.liveness.report())
 
-    def _resend_final_ack(self) -> None:
-        """Queue our FINAL_ACK again (a redial after we acknowledged: the syncer forgot it)."""
-        assert self._final_ack is not None
-        self._control.put(Outgoing(self._final_ack))
-
-    def _new_pacer(self, sock: zmq.Socket) -> Pacer:
-        def send(_dest: bytes, frames: list, track: bool) -> object:
-            return sock.send_multipart(frames, copy=False, track=track, flags=zmq.NOBLOCK)
-
-        pacer = Pacer(WINDOW, send)
-        # INIT streams survive a redial (restarted from part 0); pushes do not: the syncer
-        # pulls again once it knows our new generation.
+    def streams_after_redial(self, streams: list[Outgoing]) -> list[Outgoing]:
+        """The streams a new connection sends again: INIT streams survive a redial (restarted
+        from part 0, their parts cut anew); pushes do not (the syncer pulls again once it knows
+        our new generation): they are let go of, their ``sent`` events set."""
         keep = []
-        for out in self._streams:
+        for out in streams:
             if isinstance(out.header, wire.Init) and out.stream is not None:
-                out.stream = self._make_stream(out)
-                pacer.add(b"", out.stream)
+                out.stream = self.stream_of(out)
                 keep.append(out)
             else:
                 out.stream, out.tensors = None, []
                 if out.sent is not None:
                     out.sent.set()
-        self._streams = keep
-        return pacer
+        return keep
 
-    def _make_stream(self, out: Outgoing) -> Stream:
+    def stream_of(self, out: Outgoing) -> Stream:
         """Cut a queued INIT/PUSH into parts; each part's header carries the current generation."""
         layout = self._layouts[out.header.fragment]  # type: ignore[union-attr]
         E = self._part_elems
@@ -150,13 +133,13 @@ class Outbox:
                                               seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
-            return self._seal(header, payload)
+            return self.seal(header, payload)
 
         return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
 
-    def _seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
+    def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
         """Frames of one message of this connection: session nonce and the next sequence number,
-        taken at send time (the I/O thread seals each message just before zmq gets it)."""
+        taken at send time (the connection seals each message just before the socket gets it)."""
         self._send_seq += 1
         return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
 
@@ -176,66 +159,20 @@ class Outbox:
         codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
         return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed)
 
-    def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
-        """Send control messages at once, start queued streams, top up the stream window."""
-        while self._welcome is not None:  # a message before WELCOME has no session: it would be refused
-            try:
-                ctl = self._control.get_nowait()
-            except queue.Empty:
-                break
-            self._send_control(sock, self._restamp(ctl.header), ctl)
-        while self._welcome is not None and len(self._streams) < 2:
-            try:
-                out = self._outbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(out.header, wire.Push) and out.header.n_parts == 0:
-                self._send_control(sock, self._restamp(out.header), out)  # zero weight: no tensors
-                continue
-            out.stream = self._make_stream(out)
-            pacer.add(b"", out.stream)
-            self._streams.append(out)
-        before = {id(o.stream): (o.stream.data_bytes, o.stream.control_bytes) for o in self._streams if o.stream}
-        pacer.pump()
-        still = []
-        for out in self._streams:
-            assert out.stream is not None
-            d0, c0 = before.get(id(out.stream), (0, 0))
-            self._count_sent(out.stream.data_bytes - d0, out.stream.control_bytes - c0)
-            if out.stream.done.is_set():
-                self.stats.messages_sent += out.stream.n_parts
-                # Break the out <-> stream cycle now, so the tensors die by refcount (the caller
-                # bounds memory by waiting on ``sent``), not at the next garbage collection.
-                out.stream, out.tensors = None, []
-                if out.sent is not None:
-                    out.sent.set()
-            else:
-                still.append(out)
-        self._streams = still
-
-    def _send_control(self, sock: zmq.Socket, header: wire.Header, out: Outgoing) -> None:
-        frames = self._seal(header)
-        sock.send_multipart(frames, copy=False)
-        if isinstance(header, wire.Heartbeat):
-            self.liveness.on_heartbeat_sent(time.monotonic())
-        self.stats.messages_sent += 1
-        self._count_sent(0, sum(len(memoryview(f)) for f in frames))
-        if out.sent is not None:
-            out.sent.set()
-
-    def _count_sent(self, data: int, control: int) -> None:
-        self.liveness.on_sent(data, time.monotonic())
+    def count_sent(self, data: int, control: int, now: float) -> None:
+        """Bytes handed to the socket at ``now``: payload (``data``) and the rest."""
+        self.liveness.on_sent(data, now)
         self.stats.data_bytes_sent += data
         self.stats.control_bytes_sent += control
         self.stats.bytes_sent += data + control
 
-    def _restamp(self, header: wire.Header) -> wire.Header:
+    def restamp(self, header: wire.Header) -> wire.Header:
         """Stamp the current generation on an island message at send time.
 
         HELLO goes first on every new socket and a DEALER connection keeps order, so the
         syncer has bound the new generation before it sees anything stamped with it.
         """
-        with self._lock:
+        with self._guard:
             gen = self._generation
             if isinstance(header, wire.Heartbeat):
                 return wire.Heartbeat(island=self._cfg.island_id, generation=gen, step=self._step, done=self._done,

@@ -339,7 +339,7 @@ def test_an_unexpected_exception_on_the_io_thread_is_fatal_at_the_next_boundary(
         def boom(*_a: object) -> None:
             raise RuntimeError("decoder bug")
 
-        monkeypatch.setattr(client, "_on_pull", boom)
+        monkeypatch.setattr(client.protocol, "_on_pull", boom)
         syncer.send(wire.Pull(fragment=0, round=1, attempt=0))
         _wait(lambda: not client._thread.is_alive())
         with pytest.raises(SyncError, match="I/O thread failed: RuntimeError: decoder bug"):

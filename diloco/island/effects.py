@@ -1,0 +1,36 @@
+"""What the island's sync-client protocol asks its connection to do (``ClientProtocol``'s output).
+
+The protocol (:mod:`diloco.island.client_protocol`) does no I/O; each call into it returns an
+:class:`Effects` that the connection thread (:mod:`diloco.island.client`) carries out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco import wire
+
+BACKOFF_START_S = 0.2
+"""First redial delay after a socket error or a silence; doubled on each further one."""
+BACKOFF_MAX_S = 10.0
+"""Longest redial delay."""
+
+
+class SyncError(RuntimeError):
+    """The syncer refused this island for good (e.g. a layout fingerprint mismatch)."""
+
+
+@dataclass
+class Effects:
+    """What the connection must do after a call into the protocol."""
+
+    redial_s: float | None = None
+    """Close the socket and dial again after this many seconds (None: keep the connection)."""
+    wake: bool = False
+    """Something was parked or changed: wake the training thread's waits."""
+    heartbeat: bool = False
+    """Queue a HEARTBEAT now."""
+    send: list[wire.Header] = field(default_factory=list)
+    """Control messages to queue (sent once the connection has a session)."""
+    rejoin: bool = False
+    """The redial carries out the rejoin that was asked for."""

@@ -1,0 +1,207 @@
+"""ClientProtocol with scripted syncer messages: no socket, no thread, no clock (milliseconds)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco import wire
+from diloco.config import IslandConfig
+from diloco.island.client_protocol import ClientProtocol, SyncError
+from diloco.island.effects import BACKOFF_MAX_S, BACKOFF_START_S
+from diloco.island.outbox import Outgoing
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = b"protocol-test-key"
+GEN = 0x1234
+
+
+class Syncer:
+    """The syncer's side of one session, scripted: frames of messages stamped as the syncer does."""
+
+    def __init__(self) -> None:
+        self.nonce = 0
+        self.seq = 0
+
+    def frames(self, header: wire.Header, tensors: list | None = None, **stamp: int) -> list:
+        self.seq += 1
+        flat = [(n, t.reshape(-1)) for n, t in tensors or []]
+        return wire.encode(header, flat, key=KEY, **{"nonce": self.nonce, "seq": self.seq, **stamp})
+
+    def welcome(self, generation: int, syncer_id: int = 7, n: int = 2) -> list:
+        self.nonce, self.seq = 1000 + syncer_id, 0
+        return self.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id, need_init=False,
+                                        versions=(0,) * n, sync_every=10, total_steps=0, generation=generation,
+                                        nonce=self.nonce))
+
+
+def _protocol(shape: tuple[int, ...] = (3,), **kw: object) -> ClientProtocol:
+    cfg = IslandConfig(sync_addr="tcp://127.0.0.1:9", island_id=1, key=KEY, heartbeat_s=0.2, sync_timeout_s=2.0,
+                       **kw)
+    return ClientProtocol(cfg, "ab" * 16, [wire.FragmentLayout.of([("w", shape)])] * 2, now=0.0, instance=5)
+
+
+def _joined(shape: tuple[int, ...] = (3,)) -> tuple[ClientProtocol, Syncer]:
+    p, s = _protocol(shape), Syncer()
+    p.hello(GEN)
+    assert p.handle(s.welcome(GEN), now=0.1).wake
+    return p, s
+
+
+def test_hello_opens_a_session_and_only_our_welcome_is_taken() -> None:
+    p, s = _protocol(), Syncer()
+    hello = wire.decode(p.hello(GEN), key=KEY).header
+    assert isinstance(hello, wire.Hello)
+    assert (hello.island, hello.generation, hello.instance, hello.fragment_numel) == (1, GEN, 5, (3, 3))
+    p.handle(s.welcome(GEN + 1), now=0.1)  # a WELCOME answering another connection's HELLO
+    assert p.welcome is None and p.stats.refused == 1
+    eff = p.handle(s.welcome(GEN), now=0.2)
+    assert eff.wake and eff.redial_s is None and p.welcome is not None and p.welcome.syncer_id == 7
+    assert p.stats.messages_recv == 2
+
+
+def test_messages_outside_the_session_are_refused() -> None:
+    p, s = _joined()
+    pull = wire.Pull(fragment=0, round=1, attempt=0)
+    p.handle(s.frames(pull, nonce=999), now=1.0)  # another session
+    p.handle(s.frames(pull, seq=1), now=1.0)  # a replayed sequence number
+    tampered = s.frames(pull)
+    tampered[0] = bytes(32)
+    p.handle(tampered, now=1.0)
+    assert p.stats.refused == 3 and p.take_ready_pulls() == []
+    p.handle(s.frames(pull), now=1.0)
+    assert p.take_ready_pulls() == [pull]
+
+
+def test_pulls_newest_attempt_once_and_again_after_stale_base() -> None:
+    p, s = _joined()
+    for attempt in (0, 2, 1, 2):
+        p.handle(s.frames(wire.Pull(fragment=0, round=1, attempt=attempt)), now=1.0)
+    p.handle(s.frames(wire.Pull(fragment=1, round=2, attempt=0)), now=1.0)
+    assert [(q.fragment, q.round, q.attempt) for q in p.take_ready_pulls()] == [(0, 1, 2), (1, 2, 0)]
+    p.handle(s.frames(wire.Pull(fragment=0, round=1, attempt=2)), now=1.0)  # resent after taken
+    assert p.take_ready_pulls() == []
+    p.handle(s.frames(wire.Error(code="stale_base", reason="base", fragment=0, round=1)), now=1.0)
+    assert p.take_stale() == [(0, 1)] and p.take_stale() == []
+    p.handle(s.frames(wire.Pull(fragment=0, round=1, attempt=2)), now=1.0)
+    assert [q.attempt for q in p.take_ready_pulls()] == [2]
+
+
+def test_broadcasts_in_increasing_version_order_and_none_after_the_final_cut() -> None:
+    p, s = _joined()
+    for v in (1, 3, 2):
+        p.handle(s.frames(wire.Bcast(fragment=0, version=v, round=v, cut=False),
+                          [("w", torch.full((3,), float(v)))]), now=1.0)
+    got = p.take_bcasts()
+    assert [(b.fragment, b.version) for b in got] == [(0, 3)]
+    assert torch.equal(got[0].tensors[0][1], torch.full((3,), 3.0))
+    for f in range(2):
+        p.handle(s.frames(wire.Final(fragment=f, version=4, n_fragments=2, versions=(4, 4)), [("w", torch.ones(3))]),
+                 now=1.0)
+    p.handle(s.frames(wire.Bcast(fragment=1, version=9, round=9, cut=False), [("w", torch.zeros(3))]), now=1.0)
+    assert p.final_received() == 2 and p.take_bcasts() == []
+    header, values = p.take_final(0) or (None, [])
+    assert header is not None and torch.equal(values[0][1], torch.ones(3))
+    assert p.take_final(0) == (header, [])  # the tensors are let go of once taken
+
+
+def test_received_values_land_where_the_target_says() -> None:
+    anchors = torch.zeros(3)
+    calls: list[tuple[int, str, bool]] = []
+
+    def target(f: int, dtype: str, busy: bool) -> tuple[list[torch.Tensor] | None, int]:
+        calls.append((f, dtype, busy))
+        return ([anchors] if f == 0 else None), len(calls)
+
+    p, s = _protocol(), Syncer()
+    p.receive_target = target
+    p.hello(GEN)
+    p.handle(s.welcome(GEN), now=0.0)
+    p.handle(s.frames(wire.Bcast(fragment=0, version=1, round=1, cut=True), [("w", torch.full((3,), 2.0))]),
+             now=1.0)
+    p.handle(s.frames(wire.Final(fragment=1, version=1, n_fragments=2, versions=(1, 1)), [("w", torch.ones(3))]),
+             now=1.0)
+    assert torch.equal(anchors, torch.full((3,), 2.0))
+    bcast = p.take_bcasts()[0]
+    assert bcast.arrival == 1 and bcast.tensors[0][1].data_ptr() == anchors.data_ptr()
+    assert calls[1] == (1, "float32", True)  # the final cut never lands in the anchors
+
+
+def test_rejoin_codes_a_restarted_syncer_and_fatal_refusals() -> None:
+    p, s = _joined()
+    eff = p.handle(s.frames(wire.Heartbeat(syncer_id=99)), now=1.0)
+    assert eff.redial_s == 0.0
+    p.connection_lost()
+    p.redialing(now=1.0)
+    assert p.welcome is None and p.stats.redials == 1
+    p.hello(GEN + 1)
+    p.handle(s.welcome(GEN + 1, syncer_id=99), now=1.1)
+    assert p.handle(s.frames(wire.Error(code="unknown_generation", reason="?"), nonce=0), now=1.2).redial_s == 0.0
+    p.handle(s.frames(wire.Error(code="fingerprint_mismatch", reason="layout differs")), now=1.3)
+    with pytest.raises(SyncError, match="fingerprint"):
+        p.take_ready_pulls()
+
+
+def test_island_in_use_is_retried_before_a_welcome_and_fatal_after() -> None:
+    p, s = _protocol(), Syncer()
+    p.hello(GEN)
+    eff = p.handle(s.frames(wire.Error(code="island_in_use", reason="bound")), now=0.1)
+    assert eff.redial_s == 1.0 and p.last_refusal is not None and not p.failed()
+    p.hello(GEN + 1)
+    p.handle(s.welcome(GEN + 1), now=0.2)
+    p.handle(s.frames(wire.Error(code="island_in_use", reason="bound")), now=0.3)
+    assert p.failed()
+
+
+def test_the_final_ack_is_resent_to_the_same_syncer_after_a_redial() -> None:
+    p, s = _joined()
+    ack = p.final_ack([3, 3], ["d0", "d1"])
+    assert ack.generation == GEN
+    p.redialing(now=1.0)
+    p.hello(GEN + 1)
+    eff = p.handle(s.welcome(GEN + 1), now=1.1)
+    assert eff.send == [ack]
+    assert p.restamp(eff.send[0]).generation == GEN + 1  # type: ignore[union-attr]
+
+
+def test_timers_heartbeat_silence_backoff_and_rejoin() -> None:
+    p, s = _joined()
+    assert p.tick(0.2).heartbeat
+    assert not p.tick(0.3).heartbeat  # not due yet
+    assert p.tick(0.5, rejoin=True).rejoin
+    delays = [p.tick(10.0 + k).redial_s for k in range(8)]  # silent for longer than the timeout
+    assert delays[:3] == [BACKOFF_START_S, 2 * BACKOFF_START_S, 4 * BACKOFF_START_S]
+    assert delays[-1] == BACKOFF_MAX_S
+    p.redialing(now=20.0)
+    p.handle(s.frames(wire.Heartbeat(syncer_id=7)), now=20.5)  # heard: the backoff starts over
+    assert p.socket_error(OSError("reset")).redial_s == BACKOFF_START_S
+    assert p.tick(21.0).redial_s is None
+
+
+def test_sealed_messages_carry_the_session_and_increasing_sequence_numbers() -> None:
+    p, _ = _joined()
+    assert p.report_step(5, done=False) and not p.report_step(5, done=False)
+    first = wire.open_message(p.seal(p.heartbeat()), key=KEY)
+    second = wire.open_message(p.seal(p.restamp(p.heartbeat())), key=KEY)
+    assert first.nonce == second.nonce == 1007 and (first.seq, second.seq) == (1, 2)
+    assert first.header.step == 5 and first.header.generation == GEN  # type: ignore[union-attr]
+
+
+def test_streams_are_cut_into_parts_and_only_init_survives_a_redial() -> None:
+    p, _ = _joined(shape=(2, 3))
+    delta = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    push = Outgoing(p.push_header(wire.Pull(fragment=1, round=3, attempt=0), 2, 5, 500), delta, "float32",
+                    threading.Event())
+    init = Outgoing(p.init_header(0), delta, "float32", threading.Event())
+    push.stream, init.stream = p.stream_of(push), p.stream_of(init)
+    assert push.stream.n_parts == 1
+    msg = wire.decode(push.stream.frames_of(0) or [], key=KEY)
+    assert isinstance(msg.header, wire.Push) and msg.header.local_steps == 5
+    assert torch.equal(msg.tensors[0][1], delta[0][1].reshape(-1)) and p.stats.push_bytes_sent == 24
+    kept = p.streams_after_redial([push, init])
+    assert kept == [init] and init.stream is not None and init.stream.next_part == 0
+    assert push.sent is not None and push.sent.is_set() and push.tensors == []
+    assert p.push_header(wire.Pull(fragment=0, round=1, attempt=0), 0, 0, 0).n_parts == 0
