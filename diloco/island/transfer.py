@@ -425,55 +425,35 @@ class FragmentTransfer:
     def _scatter(
         self, f: int, route: _Route, values: Sequence[tuple[str, torch.Tensor]] | None, alpha: float
     ) -> tuple[int, list[dist.Work]]:
-        """Sync rank side of apply hop 1: validate values, send each primary its slice, write own."""
-        specs = self._plan.specs_of(f)
-        if values is None or len(values) != len(specs):
-            raise ValueError(f"apply_fragment({f}): expected {len(specs)} tensors on the sync rank")
-        table: dict[str, torch.Tensor] = {}
-        for (name, t), spec in zip(values, specs):
-            if name != spec.name or tuple(t.shape) != spec.shape or t.dtype != torch.float32:
-                raise ValueError(
-                    f"apply_fragment({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape} float32"
-                )
-            table[name] = t.contiguous()
-        flat = ShardSlices(table)
-
-        works = []
-        network = 0
-        for dst, items in sorted(route.apply.items()):
-            if dst == self._sync:
-                continue
-            for seg, _ in items:
-                network += seg.n * 4
-                works.append(self._isend(flat(seg), dst, _TAG_APPLY))
-        own = 0
-        primaries = {
-            (seg.name, seg.shard.key(), seg.a) for d, items in route.apply.items() if d != self._sync for seg, _ in items
-        }
+        """Sync rank side of apply hop 1 (fp32 values only): :meth:`scatter_to_anchors` on the
+        island group, then the sync rank's own masters installed from their anchors."""
+        for name, t in values or []:
+            if t.dtype != torch.float32:
+                raise ValueError(f"apply_fragment({f}): got {name} {t.dtype}, want float32")
+        keep: list[torch.Tensor] = []
+        handed, works, network = self.scatter_to_anchors(f, values, self._group, keep, what="apply_fragment")
+        self.bytes_sent += network
         for seg, h in route.apply.get(self._sync, []):
-            dst, src = self._anchor(h, seg.n), flat(seg)
-            if dst.data_ptr() != src.data_ptr():  # a value received straight into the anchor
-                dst.copy_(src)
             self._install(h, seg.n, alpha)
-            if (seg.name, seg.shard.key(), seg.a) not in primaries:
-                own += seg.n * 4
         self.last_apply_network_bytes = network
-        return network + own, works
+        return handed, works
 
     def scatter_to_anchors(self, f: int, values: Sequence[tuple[str, torch.Tensor]] | None,
-                           group: dist.ProcessGroup, keep: list[torch.Tensor]) -> tuple[int, list[dist.Work], int]:
+                           group: dist.ProcessGroup, keep: list[torch.Tensor],
+                           what: str = "stage") -> tuple[int, list[dist.Work], int]:
         """Sync rank side of hop 1 of a staged apply, on ``group``: send every primary holder its
         slice of ``values`` (fp32 or bf16, upcast one segment at a time; the upcast copies go
         into ``keep`` until the sends complete) and write the sync rank's own anchors. Writes no
-        master. Returns (bytes handed out, each element once; the send works; network bytes)."""
+        master. Returns (bytes handed out, each element once; the send works; network bytes).
+        Refuses (ValueError, naming ``what``) values that do not match the plan."""
         route = self._routes[f]
         specs = self._plan.specs_of(f)
         if values is None or len(values) != len(specs):
-            raise ValueError(f"stage({f}): expected {len(specs)} tensors on the sync rank")
+            raise ValueError(f"{what}({f}): expected {len(specs)} tensors on the sync rank")
         table: dict[str, torch.Tensor] = {}
         for (name, t), spec in zip(values, specs):
             if name != spec.name or tuple(t.shape) != spec.shape or t.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"stage({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape}")
+                raise ValueError(f"{what}({f}): got {name} {tuple(t.shape)} {t.dtype}, want {spec.name} {spec.shape}")
             table[name] = t.contiguous()
         flat = ShardSlices(table)
         works, network, own = [], 0, 0
