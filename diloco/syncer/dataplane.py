@@ -225,7 +225,8 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
 
 def _fold_quant_part(w: FoldPart) -> None:
     """Fold a low-bit part: dequantize block by block straight into the running sum (never an
-    fp32 copy of the push). The first contribution starts from zeros: ``s = 0 + w * x'``."""
+    fp32 copy of the push). The first contribution starts from zeros: ``s = 0 + w * x'``. Each
+    dequantized block passes the part's bounds (element and norm) before it is folded."""
     assert w.quant is not None
     kind, block = w.quant
     codes_meta, scales_meta = w.opened.metas
@@ -239,9 +240,13 @@ def _fold_quant_part(w: FoldPart) -> None:
         raise WireError(f"{kind} part {w.part}: {exc}") from None
     if not w.sum.started[w.part]:
         out.zero_()
-    quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight))
+    bound = w.bound
+    inspect = None if bound is None else (lambda deq: check_chunk(bound, absmax(deq), deq))
+    quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight), inspect)
     w.sum.absmax[w.part] = absmax(out)
     w.sum.started[w.part] = True
+    if bound is not None:
+        finish_part(bound)
 
 
 def _segment_starts(opened: Opened, lo: int) -> list[int]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 
+from diloco.syncer.effects import Out
 from diloco.syncer.fields import StateFields
 from diloco.syncer.records import RoundRecord
-from diloco.syncer.robust import PartBound, Reference, robust_weight
+from diloco.syncer.robust import PartBound, Reference, robust_weight, unjudged_excess
 from diloco.wire import Push
 
 log = logging.getLogger("diloco.syncer.state")
@@ -22,6 +23,8 @@ class RobustRules(StateFields):
     def _robust_weight(self, r: RoundRecord, h: Push, now: float) -> int:
         """The weight of a push accepted at its part 0: counts clamped, weight capped, both logged."""
         cfg = self.config
+        if not r.pushes:  # the attempt's first push: judged by nothing when no weight was seen yet
+            r.unjudged = not self.reference.last_weights
         others = [p.weight for p in r.pushes.values() if p.weight > 0]
         if not others:
             others = list(self.reference.last_weights.get(r.fragment, ())) or [
@@ -35,6 +38,24 @@ class RobustRules(StateFields):
             self.events.append({"time": now, "round": r.round, "island": h.island, what: note})
         self.reference.weights_seen(r.fragment, [*(p.weight for p in r.pushes.values()), weight])
         return weight
+
+    def _refuse_unjudged(self, r: RoundRecord, now: float, out: list[Out]) -> bool:
+        """Before a commit: an attempt whose first push could not be capped (``r.unjudged``) is
+        dropped and re-pulled when a weight exceeds the cap against the others (the next attempt
+        caps it); True when it was."""
+        if not r.unjudged:
+            return False
+        r.unjudged = False
+        found = unjudged_excess({i: p.weight for i, p in r.pushes.items() if p.weight > 0}, self.config.weight_factor)
+        if found is None:
+            return False
+        island, why = found
+        self.reference.count(island, "capped")
+        log.warning("island %d round %d: %s (first push of an attempt with no reference)", island, r.round, why)
+        self.events.append({"time": now, "round": r.round, "island": island, "capped": why})
+        r.closed = False
+        self._restart_attempt(r, now, out, f"island {island}'s weight could not be judged when it was folded")
+        return True
 
     def _part_bound(self, r: RoundRecord, island: int, n: int) -> PartBound:
         return self.reference.bound(r.fragment, r.round, island, n, self.config.norm_hard_factor)
