@@ -116,6 +116,8 @@ class Merge(StateFields):
 
     def _start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
         """Merge a closed round on the data plane, one CommitPart per part."""
+        if self._refuse_unjudged(r, now, out):
+            return
         frag = self.fragments[r.fragment]
         total = sum(p.weight for p in r.pushes.values())
         if total == 0 or r.sum is None:

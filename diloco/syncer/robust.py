@@ -5,14 +5,22 @@ when a part is folded; tested with plain values.
 
 * **Counts are clamped** (:func:`clamp_counts`): a push's local steps to
   ``max_steps_factor x H``, its tokens to ``--max-tokens-per-step`` x those steps.
-* **Weights are capped** (:func:`cap_weight`) at ``--max-weight-factor`` x the median weight
-  of the other pushes of the attempt, or, before any, of the last committed round.  Self-reported
-  tokens cannot be verified; this bounds what a liar gains to that factor.
+* **Weights are capped** (:func:`cap_weight`) per local step: at ``--max-weight-factor`` x the
+  lower median weight per step of the other pushes of the attempt (or, before any, of the
+  latest attempt seen) x the push's clamped steps.  Self-reported tokens cannot be verified;
+  this bounds a liar's weight per step to that factor of the honest islands' (and its steps to
+  ``max_steps_factor x H``), while honest islands that pushed after different numbers of steps
+  are never capped.  The lower median of two is the smaller: a liar is never its own reference.
+* **An attempt judged by nothing is judged at its end** (:func:`unjudged_excess`): a push that
+  arrives first with no weight seen before it cannot be capped when it is folded; if, once the
+  attempt is complete, its weight exceeds the cap against the others, the attempt is dropped
+  and re-pulled, and the next attempt caps it (its claims are now the reference).  Honest runs
+  never pay this; a liar costs one re-pull.
 * **Deltas are bounded per part** (:class:`PartBound`): any element beyond ``max_abs``
   refuses the part before that chunk is folded (so ``weight x max|delta|`` summed over
   islands stays far below the fp32 range: accumulation cannot overflow); once a fragment has a
-  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), an fp32
-  part whose L2 norm is above ``--refuse-factor`` x reference x sqrt(elements) is refused.
+  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), a part
+  (fp32, bf16, or low-bit once dequantized) whose L2 norm is above ``--refuse-factor`` x reference x sqrt(elements) is refused.
   (Scaling a part down instead would need its norm before the first chunk is folded, a second
   pass over every part; the fold streams chunk by chunk, so bounds refuse, they do not clip.)
 * A refused part is charged to the island that sent it (``--max-refusals`` evicts): the
@@ -56,15 +64,35 @@ def clamp_counts(local_steps: int, tokens: int, sync_every: int, steps_factor: i
     return steps, toks, why
 
 
-def cap_weight(weight: int, others: Sequence[int], factor: float) -> tuple[int, str | None]:
-    """``weight`` capped at ``factor`` x the median of ``others`` (positive weights); no cap without any."""
-    ref = [w for w in others if w > 0]
+def cap_weight(weight: int, steps: int, other_rates: Sequence[float], factor: float) -> tuple[int, str | None]:
+    """``weight`` capped at ``factor`` x the lower median of ``other_rates`` (weight per local
+    step of the other pushes) x this push's ``steps`` (clamped); no cap without any rate.
+
+    Per step, so honest islands that pushed after different numbers of steps (a flush round, a
+    push deferred by a busy snapshot slot) are never capped; the lower median of two rates is the
+    smaller, so a liar is never its own reference."""
+    ref = [r for r in other_rates if r > 0]
     if weight <= 0 or not ref:
         return weight, None
-    cap = max(1, int(factor * statistics.median(ref)))
+    med = statistics.median_low(ref)
+    cap = max(1, int(factor * med * max(steps, 1)))
     if weight <= cap:
         return weight, None
-    return cap, f"weight {weight} capped at {cap} ({factor:g} x the round's median {statistics.median(ref):g})"
+    return cap, (f"weight {weight} capped at {cap} ({factor:g} x the lower median weight per step {med:g} "
+                 f"x {steps} steps)")
+
+
+def unjudged_excess(pushes: dict[int, tuple[int, int]], factor: float) -> tuple[int, str] | None:
+    """(island, why) of the first push of a complete attempt, ``island -> (weight, clamped
+    steps)``, whose weight exceeds its cap against the others' rates (None: every weight passes;
+    a lone push passes)."""
+    for island in sorted(pushes):
+        weight, steps = pushes[island]
+        others = [w / max(s, 1) for i, (w, s) in pushes.items() if i != island and w > 0]
+        _w, why = cap_weight(weight, steps, others, factor)
+        if why:
+            return island, why
+    return None
 
 
 @dataclass
@@ -84,6 +112,8 @@ def check_chunk(bound: PartBound, amax: float, view: torch.Tensor) -> None:
         raise WireError(f"delta element of magnitude {amax:.3g} {BOUND_MARK} {bound.max_abs:.3g}")
     if view.dtype == torch.float32:  # |d| <= max_abs: the fp32 dot of one chunk cannot overflow
         bound.sumsq += float(torch.dot(view, view))
+    else:  # bf16 segments: squares summed in fp32 without an fp32 copy of the chunk
+        bound.sumsq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
 
 
 def finish_part(bound: PartBound) -> None:
@@ -110,7 +140,8 @@ class Reference:
 
     def __init__(self) -> None:
         self.rms: dict[int, float] = {}
-        self.last_weights: dict[int, tuple[int, ...]] = {}
+        self.last_rates: dict[int, tuple[float, ...]] = {}
+        """Per fragment: the weights per step of its latest attempt's pushes."""
         self.benched: set[int] = set()
         """Islands charged with a refused part: left out of the attempt that replaces it."""
         self.tally: dict[int, dict[str, int]] = {}
@@ -142,10 +173,10 @@ class Reference:
         if rms and statistics.median(rms) > 0:
             self.rms[fragment] = statistics.median(rms)
 
-    def weights_seen(self, fragment: int, weights: Sequence[int]) -> None:
-        """Weights of a round of ``fragment`` as it closes (the next rounds' fallback reference)."""
-        if any(w > 0 for w in weights):
-            self.last_weights[fragment] = tuple(w for w in weights if w > 0)
+    def rates_seen(self, fragment: int, rates: Sequence[float]) -> None:
+        """Weights per step of an attempt of ``fragment`` (the next attempts' fallback reference)."""
+        if any(r > 0 for r in rates):
+            self.last_rates[fragment] = tuple(r for r in rates if r > 0)
 
     def bound(self, fragment: int, round_: int, island: int, n: int, refuse_factor: float) -> PartBound:
         with self._lock:
@@ -163,13 +194,13 @@ class Reference:
 
 
 def robust_weight(local_steps: int, tokens: int, weighting: str, sync_every: int, steps_factor: int,
-                  max_tokens_per_step: int, others: Sequence[int], weight_factor: float) -> tuple[int, list[str]]:
-    """The weight a push gets (counts clamped, then capped against ``others``) and why it changed."""
+                  max_tokens_per_step: int, other_rates: Sequence[float], weight_factor: float) -> tuple[int, int, list[str]]:
+    """(weight, clamped steps, why either changed) of a push: counts clamped, then the weight
+    capped against ``other_rates`` (weights per step of the other pushes)."""
     steps, toks, why = clamp_counts(local_steps, tokens, sync_every, steps_factor, max_tokens_per_step)
     notes = [why] if why else []
     weight = push_weight(steps, toks, weighting)
-    weight, capped = cap_weight(weight, others, weight_factor)
+    weight, capped = cap_weight(weight, steps, other_rates, weight_factor)
     if capped:
         notes.append(capped)
-    return weight, notes
-
+    return weight, steps, notes

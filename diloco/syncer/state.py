@@ -385,7 +385,7 @@ class SyncerState(Merge, Admission, Recovery, RoundClock, RobustRules, Laggards)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
         self.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo,
-                                  self._part_bound(r, h.island, hi - lo) if quant is None else None))
+                                  self._part_bound(r, h.island, hi - lo)))
 
     def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:
         rec = self._session(h.island, h.generation, peer, msg)
