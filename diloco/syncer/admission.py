@@ -18,11 +18,11 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 
-from diloco.syncer.checks import Dropped, Refused, check_schema
+from diloco.syncer.core.checks import Dropped, Refused, check_schema
 from diloco.syncer.fields import StateFields
-from diloco.syncer.gate import Gate
-from diloco.syncer.dataplane import InitPart, Result
-from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing
+from diloco.syncer.core.gate import Gate
+from diloco.syncer.core.work import InitPart, Result
+from diloco.syncer.core.records import FragmentRecord, IslandRecord, Outgoing
 from diloco.wire import (
     PROTOCOL_VERSION,
     PUSH_DTYPES,
@@ -36,7 +36,7 @@ from diloco.wire import (
 )
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 
-from diloco.syncer.records import FragmentSnapshot, Snapshot
+from diloco.syncer.core.records import FragmentSnapshot, Snapshot
 from diloco.syncer.store import CheckpointStore
 
 log = logging.getLogger("diloco.syncer.loop")

@@ -20,10 +20,10 @@ from types import FrameType
 from diloco.hostmem import tune_syncer_malloc
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
-from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.core.config import ConfigError, SyncerConfig
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
-from diloco.syncer.gate import read_allow_list
+from diloco.syncer.allowlist import read_allow_list
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
 from diloco.syncer.state import SyncerState

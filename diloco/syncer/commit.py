@@ -16,14 +16,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from diloco.syncer.dataplane import CommitPart, FoldPart, Result
+from diloco.syncer.core.work import CommitPart, FoldPart, Result
 from diloco.syncer.fields import StateFields
-from diloco.syncer.kernels import FLT_MAX, step_bounds
-from diloco.syncer.records import FragmentRecord, Outgoing, RoundRecord
+from diloco.syncer.core.kernels import FLT_MAX, step_bounds
+from diloco.syncer.core.records import FragmentRecord, Outgoing, RoundRecord
 from diloco.wire import Error
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

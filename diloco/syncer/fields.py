@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diloco.syncer.book import FragmentBook
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.book import FragmentBook
+from diloco.syncer.core.config import SyncerConfig
 from diloco.outer import OuterHyper
-from diloco.syncer.dataplane import Work
-from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
+from diloco.syncer.core.work import Work
+from diloco.syncer.core.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
 from diloco.wire import HostBufferPool
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 
 class StateFields:

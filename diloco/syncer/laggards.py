@@ -25,11 +25,11 @@ import logging
 from typing import TYPE_CHECKING
 
 from diloco.syncer.fields import StateFields
-from diloco.syncer.records import IslandRecord, RoundRecord
-from diloco.syncer.robust import Reference
+from diloco.syncer.core.records import IslandRecord, RoundRecord
+from diloco.syncer.core.robust import Reference
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

@@ -30,7 +30,7 @@ from diloco.wire import Heartbeat, Progress, bcast_dtype
 from diloco.wire.rates import RateMeter
 
 if TYPE_CHECKING:
-    from diloco.syncer.records import Outgoing
+    from diloco.syncer.core.records import Outgoing
     from diloco.syncer.state import SyncerState
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class LinkWatch:
                 now: float) -> list[Outgoing]:
         """Every loop iteration: count sent bytes, step times; every ``every_s`` the notices and
         the schedule check.  ``pending(peer)`` is the number of streams queued for a peer."""
-        from diloco.syncer.records import Outgoing
+        from diloco.syncer.core.records import Outgoing
 
         self._count_sent(state, tracked, now)
         for link, isl in zip(self.links, state.islands):

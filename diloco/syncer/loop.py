@@ -47,7 +47,8 @@ import zmq
 
 from diloco.security import ServerCurve
 from diloco.syncer.connguard import ConnCaps
-from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.core.work import CommitPart, EncodePart, Result
+from diloco.syncer.dataplane import DataPlane, default_threads
 from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
@@ -55,7 +56,7 @@ from diloco.syncer.links import LinkWatch
 from diloco.syncer.payloads import payload_source
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
-from diloco.syncer.records import Outgoing, OutStream
+from diloco.syncer.core.records import Outgoing, OutStream
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import CheckpointStore
 from diloco.wire import Bcast, Final, Limits, Pull, WireError, digest_seed, encode, open_message, seal

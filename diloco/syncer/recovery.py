@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco.protocol import refusals
-from diloco.syncer.book import zeros
-from diloco.syncer.kernels import BLOCK, absmax
-from diloco.syncer.checks import Refused
+from diloco.syncer.core.book import zeros
+from diloco.syncer.core.kernels import BLOCK, absmax
+from diloco.syncer.core.checks import Refused
 from diloco.syncer.fields import StateFields
-from diloco.syncer.gate import Gate
-from diloco.syncer.robust import BOUND_MARK, Reference
-from diloco.syncer.records import (
+from diloco.syncer.core.gate import Gate
+from diloco.syncer.core.robust import BOUND_MARK, Reference
+from diloco.syncer.core.records import (
     FragmentRecord,
     FragmentSnapshot,
     IslandRecord,
@@ -33,7 +33,7 @@ from diloco.syncer.records import (
 from diloco.wire import Error, FragmentLayout, Push
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

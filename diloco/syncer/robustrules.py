@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from diloco.syncer.fields import StateFields
-from diloco.syncer.records import RoundRecord
-from diloco.syncer.robust import PartBound, Reference, robust_weight
+from diloco.syncer.core.records import RoundRecord
+from diloco.syncer.core.robust import PartBound, Reference, robust_weight
 from diloco.wire import Push
 
 log = logging.getLogger("diloco.syncer.state")

@@ -14,14 +14,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from diloco.protocol.schedule import Schedule
-from diloco.syncer.book import OVER_BUDGET_WAIT_S
-from diloco.syncer.dataplane import DigestFragment
+from diloco.syncer.core.book import OVER_BUDGET_WAIT_S
+from diloco.syncer.core.work import DigestFragment
 from diloco.syncer.fields import StateFields
-from diloco.syncer.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
+from diloco.syncer.core.records import FragmentRecord, IslandRecord, Outgoing, OutStream, RoundRecord
 from diloco.wire import Shutdown
 
 if TYPE_CHECKING:
-    from diloco.syncer.effects import Out
+    from diloco.syncer.core.effects import Out
 
 log = logging.getLogger("diloco.syncer.state")
 

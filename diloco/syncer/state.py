@@ -34,19 +34,19 @@ from typing import Any
 from diloco.outer import OuterHyper, push_weight
 from diloco.protocol.schedule import Schedule
 from diloco.syncer.admission import Admission
-from diloco.syncer.gate import Gate
+from diloco.syncer.core.gate import Gate
 from diloco.syncer.laggards import Laggards
-from diloco.syncer.robust import Reference
+from diloco.syncer.core.robust import Reference
 from diloco.syncer.robustrules import RobustRules
-from diloco.syncer.book import FragmentBook
-from diloco.syncer.checks import Dropped, Refused
+from diloco.syncer.core.book import FragmentBook
+from diloco.syncer.core.checks import Dropped, Refused
 from diloco.syncer.commit import Merge
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.effects import Out
-from diloco.syncer.dataplane import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.effects import Out
+from diloco.syncer.core.work import CommitPart, DigestFragment, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.syncer.recovery import Recovery
 from diloco.syncer.rounds import RoundClock
-from diloco.syncer.records import (
+from diloco.syncer.core.records import (
     FragmentRecord,
     IslandRecord,
     Outgoing,

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.dataplane import run_work
-from diloco.syncer.records import Outgoing, OutStream, Snapshot
+from diloco.syncer.core.records import Outgoing, OutStream, Snapshot
 from diloco.syncer.state import SyncerState
 from diloco.wire import DEFAULT_CHUNK_BYTES, Error, FragmentLayout, Hello, Init, Opened, Push, Welcome, encode, open_message
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, encode, open_message
 
 from state_driver import Driver, bitwise, errors, flat, init_parts, of, push_parts, reference_commit, streams

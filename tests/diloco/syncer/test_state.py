@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diloco.syncer import commit as commit_rules
-from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.core.config import ConfigError, SyncerConfig
 from diloco.syncer.state import SyncerState
 from diloco.syncer.store import FORMAT, CheckpointStore
 from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, Welcome

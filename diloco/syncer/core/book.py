@@ -28,8 +28,8 @@ import weakref
 import numpy as np
 import torch
 
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.records import FragmentRecord
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.records import FragmentRecord
 from diloco.wire import HostBufferPool
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from diloco.syncer.records import TensorSpec
+from diloco.syncer.core.records import TensorSpec
 
 __all__ = ["Dropped", "Refused", "check_schema"]
 
