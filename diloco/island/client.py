@@ -50,6 +50,7 @@ from diloco.island.inbox import Inbox, ReceiveTarget, SyncError, _Assembly
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outbox, Outgoing
+from diloco.protocol import session
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer
 
@@ -292,7 +293,7 @@ class SyncClient(Inbox, Outbox):
             raise SyncError(self._fatal)
 
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
-        gen = random.getrandbits(63) or 1
+        gen = session.draw_id()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())

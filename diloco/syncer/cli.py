@@ -26,7 +26,7 @@ from diloco.syncer.dataplane import default_threads
 from diloco.syncer.allowlist import read_allow_list
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.resume import ResumeError, choose
 from diloco.syncer.store import CheckpointStore
 
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
         log.info("resuming from %s", path)
     try:
-        state = SyncerState(config, snapshot=snapshot)
+        state = Coordinator(config, snapshot=snapshot)
     except ValueError as e:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG

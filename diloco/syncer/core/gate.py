@@ -1,6 +1,6 @@
 """Who may claim an island id, and how often anyone may say HELLO: the syncer's admission gate.
 
-Pure rules, no I/O, used by ``admission.py`` (a HELLO is checked against them before any state
+Pure rules, no I/O, used by ``sessions.py`` (a HELLO is checked against them before any state
 changes) and tested with plain values:
 
 * **Keys own island ids** (Curve mode, where every message carries the client's

@@ -1,7 +1,8 @@
-"""Plain records the syncer state machine keeps: islands, fragments, rounds, outputs.
+"""Plain records the syncer's core keeps: islands, fragments, rounds, outputs.
 
-Kept apart from ``state.py`` so the transition logic reads as protocol rules and
-these classes read as the data the rules touch. Nothing here does I/O.
+Kept apart from the tables that own them (``sessions.py``, ``book.py``, ``roundbook.py``) so
+the transition logic reads as protocol rules and these classes read as the data the rules
+touch. Nothing here does I/O.
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""The core's side of the robust aggregation rules (``robust.py``): the weight of a push, clamped
+and capped when its first part is accepted (logged, counted per island, and recorded in the event
+log), and the bounds each of its parts is checked against. Functions of the round, the push and
+the :class:`~diloco.syncer.core.robust.Reference` they update; no I/O."""
+
+from __future__ import annotations
+
+import logging
+
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.effects import Journal
+from diloco.syncer.core.records import RoundRecord
+from diloco.syncer.core.robust import PartBound, Reference, robust_weight
+from diloco.wire import Push
+
+log = logging.getLogger("diloco.syncer.core")
+
+
+def push_weight_of(cfg: SyncerConfig, reference: Reference, journal: Journal, r: RoundRecord, h: Push,
+                   now: float) -> int:
+    """The weight of a push accepted at its part 0: counts clamped, weight capped, both logged."""
+    others = [p.weight for p in r.pushes.values() if p.weight > 0]
+    if not others:
+        others = list(reference.last_weights.get(r.fragment, ())) or [
+            w for ws in reference.last_weights.values() for w in ws]
+    weight, notes = robust_weight(h.local_steps, h.tokens, cfg.weighting, cfg.sync_every, cfg.max_steps_factor,
+                                  cfg.max_tokens_per_step, others, cfg.weight_factor)
+    for note in notes:
+        what = "capped" if note.startswith("weight") else "clamped"
+        reference.count(h.island, what)
+        log.warning("island %d round %d: %s", h.island, r.round, note)
+        journal.events.append({"time": now, "round": r.round, "island": h.island, what: note})
+    reference.weights_seen(r.fragment, [*(p.weight for p in r.pushes.values()), weight])
+    return weight
+
+
+def part_bound(cfg: SyncerConfig, reference: Reference, r: RoundRecord, island: int, n: int) -> PartBound:
+    """The element and norm bounds of one fp32 / bf16 part of ``island``'s push to ``r`` (``n`` elements)."""
+    return reference.bound(r.fragment, r.round, island, n, cfg.norm_hard_factor)
