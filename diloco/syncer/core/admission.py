@@ -69,7 +69,7 @@ class Admission:
             # A push the old connection left half-sent is in the running sum and its last parts
             # will never come: drop that attempt now (not after --dead-after-s) and pull again;
             # the reconnected island is pulled after its cut.
-            for r in list(self.rounds.rounds.values()):
+            for r in self.rounds.in_order():
                 p = r.pushes.get(h.island)
                 if p is not None and not p.complete and not r.closed:
                     self.recovery.restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")

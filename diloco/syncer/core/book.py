@@ -97,6 +97,29 @@ class FragmentBook:
         self.fingerprint = fingerprint
         self.fragments = [FragmentRecord(index=f) for f in range(n_fragments)]
 
+    def adopt_table(self, fingerprint: str, fragments: list[FragmentRecord]) -> None:
+        """Take a resumed run's fingerprint and fragment records (their buffers already adopted)."""
+        self.fingerprint = fingerprint
+        self.fragments = fragments
+        if self.initialised:
+            self.log_budget()
+
+    def pin_all(self) -> None:
+        """A checkpoint starts reading every fragment: each stays pinned until it is written."""
+        self.pinned = set(range(len(self.fragments)))
+
+    def is_pinned(self, fragment: int) -> bool:
+        """Whether the checkpoint in flight has still to write ``fragment``."""
+        return fragment in self.pinned
+
+    def unpin(self, fragments: set[int]) -> None:
+        """The checkpoint in flight has written (and let go of) these fragments."""
+        self.pinned -= fragments
+
+    def unpin_all(self) -> None:
+        """The checkpoint in flight is written: no fragment is pinned."""
+        self.pinned.clear()
+
     def check_plan(self, fingerprint: str, n_fragments: int, fragment_numel: tuple[int, ...]) -> None:
         """Refuse a HELLO whose plan is not this run's (fingerprint, fragment count, fragment sizes) or
         whose fragments exceed what this syncer accepts (the refusal names the fix)."""

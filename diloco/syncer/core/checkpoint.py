@@ -36,7 +36,7 @@ def snapshot(config: SyncerConfig, book: FragmentBook, rounds: RoundBook, sessio
     checkpoint costs no extra memory. RuntimeError before every fragment is initialised."""
     if not book.initialised or book.fingerprint is None:
         raise RuntimeError("nothing to checkpoint before every fragment is initialised")
-    book.pinned = set(range(len(book.fragments)))
+    book.pin_all()
     frags = []
     for f in book.fragments:
         assert f.value is not None and f.layout is not None
@@ -95,10 +95,7 @@ def restore(snap: Snapshot, config: SyncerConfig, book: FragmentBook, rounds: Ro
     saved = snap.hyper.get("key_bindings", {})
     if isinstance(saved, dict):
         sessions.gate.restore(saved)
-    book.fingerprint = snap.fingerprint
-    book.fragments = frags
-    if book.initialised:
-        book.log_budget()
+    book.adopt_table(snap.fingerprint, frags)
     rounds.resume_at(snap.next_round)
     log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(book.versions()),
              snap.next_round)

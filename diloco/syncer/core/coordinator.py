@@ -262,11 +262,11 @@ class Coordinator:
     def unpin(self, fragments: set[int]) -> None:
         """The checkpoint in flight has written (and let go of) these fragments: their commits may
         update the momentum in place again."""
-        self.book.pinned -= fragments
+        self.book.unpin(fragments)
 
     def release_snapshot(self) -> None:
         """The last :meth:`snapshot` has been written: commits may update momenta in place again."""
-        self.book.pinned.clear()
+        self.book.unpin_all()
 
     # ------------------------------------------------------------------ entry points
 

@@ -78,7 +78,7 @@ class Merge:
         stalled = frozenset(p.island for p in partial if now - p.last_part_at > cfg.dead_after_s)
         if stalled:
             self.laggards.drop(r, stalled, f"no part for --dead-after-s={cfg.dead_after_s:g}s mid-push", now,
-                               self.rounds.rounds)
+                               self.rounds.numbers())
             self.recovery.restart_attempt(r, now, out, f"the push of islands {sorted(stalled)} stalled mid-stream")
             return True
         if now - r.attempt_started < cfg.quorum_timeout_s:
@@ -94,7 +94,7 @@ class Merge:
                                                        f"{now - r.attempt_started:.1f}s", resend=True)
             return True
         self.laggards.drop(r, silent, f"no push after --quorum-timeout-s={cfg.quorum_timeout_s:g}s", now,
-                           self.rounds.rounds)
+                           self.rounds.numbers())
         # The value again, to dropped islands that may have lost it (a reset connection drops what
         # TCP held without a send error); an island that has it ignores the replay.
         frag = self.book.fragments[r.fragment]
@@ -167,8 +167,7 @@ class Merge:
         """Start every commit that may start: commits *start* in round order (a closed round waits
         for every earlier round to have started its commit), but run side by side when they are of
         different fragments; a fragment's own commits never overlap (one open round per fragment)."""
-        for t in sorted(self.rounds.rounds):
-            r = self.rounds.rounds[t]
+        for r in self.rounds.in_order():
             if r.committing:
                 continue
             if not r.closed or self.book.fragments[r.fragment].committing or self.waits_for_checkpoint(r, now):
@@ -181,7 +180,7 @@ class Merge:
         fits the memory budget (``RoundBook.fits``: the next round then waits for it instead), else the
         commit waits for the writer, at most :data:`PIN_WAIT_S`, and after that writes it beside anyway."""
         hyper = self.flush_hyper if r.flush else self.hyper
-        if (hyper.momentum <= 0 or r.fragment not in self.book.pinned
+        if (hyper.momentum <= 0 or not self.book.is_pinned(r.fragment)
                 or self.book.fragments[r.fragment].momentum is None or self.rounds.fits(r.fragment)):
             r.pin_wait_since = None
             return False
@@ -215,7 +214,7 @@ class Merge:
         r.commit_bounds = [step_bounds(r.sum.absmax[k], float(total), frag.value_absmax[k], m_in[k], hyper.lr, mu)
                            for k in range(n)]
         proven = all(v < FLT_MAX and m < FLT_MAX for v, m in r.commit_bounds)
-        if mu > 0 and (r.fragment in self.book.pinned and not fresh or not proven):
+        if mu > 0 and (self.book.is_pinned(r.fragment) and not fresh or not proven):
             # A checkpoint in flight reads the momentum, or nothing proves the step finite: write
             # it beside the old one, so that a non-finite result changes nothing.
             assert frag.layout is not None
@@ -261,7 +260,7 @@ class Merge:
             frag.value = r.sum.flat  # the new value was written where the sum was
             if r.new_momentum is not None:
                 frag.momentum = r.new_momentum
-                self.book.pinned.discard(r.fragment)
+                self.book.unpin({r.fragment})
             # Measured maxima where the commit was checked, else the bounds that proved it finite.
             measured = [(v, m) if v == v else b for (v, m), b in zip(r.commit_absmax, r.commit_bounds)]
             frag.value_absmax = [v for v, _m in measured]

@@ -92,9 +92,7 @@ class Recovery:
         log.error("%s", reason)
         self.journal.events.append({"time": now, "evicted": rec.island, "reason": why[:200]})
         out.append(Outgoing(rec.peer, Error(code="evicted", reason=reason)))
-        for r in self.rounds.rounds.values():
-            if not r.closed and rec.island in r.members and rec.island not in r.pushes:
-                r.members = r.members - {rec.island}
+        self.rounds.leave_out(rec.island)
 
     def deliver_owed(self, out: list[Out]) -> None:
         """Resend what a send error lost (``Sessions.on_lost``), once the island was heard from after it."""
@@ -127,7 +125,7 @@ class Recovery:
             r.sum.void = True
         benched = self.reference.benched
         members = self.laggards.attempt_members(
-            r, frozenset(i.island for i in self.sessions.ready() if i.island not in benched), self.rounds.rounds)
+            r, frozenset(i.island for i in self.sessions.ready() if i.island not in benched), self.rounds.numbers())
         if benched:
             log.warning("round %d: islands %s left out of the next attempt (their part was refused)", r.round,
                         sorted(benched))

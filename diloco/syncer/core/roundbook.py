@@ -54,6 +54,10 @@ class RoundBook:
     def get(self, round_: int) -> OpenRound | None:
         return self.rounds.get(round_)
 
+    def numbers(self) -> set[int]:
+        """The numbers of the open rounds."""
+        return set(self.rounds)
+
     def has_fragment(self, fragment: int) -> bool:
         """Whether a round of ``fragment`` is open (one open round per fragment)."""
         return any(r.fragment == fragment for r in self.rounds.values())
@@ -164,6 +168,12 @@ class RoundBook:
         r.members = members
         r.attempt_started = now
         r.grace_deadline = None
+
+    def leave_out(self, island: int) -> None:
+        """``island`` is evicted: it leaves the members of every open round it has not pushed to yet."""
+        for r in self.rounds.values():
+            if not r.closed and island in r.members and island not in r.pushes:
+                r.members = r.members - {island}
 
     def retire(self, r: OpenRound) -> None:
         """``r`` committed: it leaves the table. Commits start in round order but may finish out of it,
