@@ -204,8 +204,21 @@ def lying_island(attack: str) -> dict[str, object]:
         try:
             rng = np.random.default_rng(4)
             honest = [(rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]
-            s.a.send(push_header(s.a, tokens=100), tensors(honest))
-            if attack == "tokens":
+            if attack == "tokens-first":  # the liar pushes before any weight was seen
+                lie = [(rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]
+                s.b.send(push_header(s.b, tokens=2**62), tensors(lie))
+                time.sleep(0.3)
+                s.a.send(push_header(s.a, tokens=100), tensors(honest))
+                for isl in (s.a, s.b):  # judged when complete: re-pulled, then capped
+                    while isl.expect(Pull, strict=False).header.attempt != 1:
+                        pass
+                s.b.send(push_header(s.b, tokens=2**62, attempt=1), tensors(lie))
+                s.a.send(push_header(s.a, tokens=100, attempt=1), tensors(honest))
+            else:
+                s.a.send(push_header(s.a, tokens=100), tensors(honest))
+            if attack == "tokens-first":
+                pass
+            elif attack == "tokens":
                 s.b.send(push_header(s.b, tokens=2**62), tensors([
                     (rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]))
             else:
@@ -246,7 +259,7 @@ def main() -> None:
     print(f"per connection: {out['per_connection']}")
     out["join_under_idle"] = join_under_idle(100 if args.smoke else 1500)
     print(f"join under idle connections: {out['join_under_idle']}")
-    out["lying_islands"] = [lying_island(a) for a in ("tokens", "1e30", "3e38")]
+    out["lying_islands"] = [lying_island(a) for a in ("tokens", "tokens-first", "1e30", "3e38")]
     print(f"lying islands: {out['lying_islands']}")
     out["digests"] = digests(mib)
     out["transport"] = transport(mib)

@@ -17,7 +17,7 @@ still in scratch instead of decoding the codes again.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -277,8 +277,12 @@ def dequantize_fold(
     block: int,
     out: torch.Tensor,
     weight: float,
+    inspect: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """``out = out + fp32(x' * weight)`` chunk by chunk, never holding an fp32 copy of the push.
+
+    ``inspect`` sees each dequantized chunk ``x'`` before it is weighted and folded (it may raise
+    to refuse the chunk: earlier chunks stay folded).
 
     This is the syncer's merge step for one part of one push: ``out`` is the
     part's range of the fp32 running sum (a 1-D fp32 view, ``n`` elements,
@@ -297,6 +301,8 @@ def dequantize_fold(
         raise QuantError(f"codes on {codes.device} but fold target on {out.device}")
     w = float(weight)
     for lo, hi, deq in _blocks_of(codes, scales, kind_, block, n, out.device):
+        if inspect is not None:
+            inspect(deq)
         if w != 1.0:
             deq.mul_(w)
         out[lo:hi].add_(deq)

@@ -16,14 +16,21 @@ payload work to this pool as :class:`Work` items:
 
 Ordering: work on part ``k`` always runs on worker ``k mod threads``, whose queue is
 FIFO.  So the folds of one part run in the order the loop dispatched them (the
-fold order the event log records, which the numpy reference replays), and a part's
-commit runs after every fold of it.  Disjoint parts run in parallel without locks.
+fold order the event log records, which the numpy reference replays).  Commits run on
+a second set of ``threads`` workers (commit part ``k`` on commit worker ``k mod
+threads``): the state starts a commit only once every fold of its round has returned
+(``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
+other fragments' rounds (and INIT, encodes) never queue behind a commit.  That keeps
+the received-bytes backlog draining during a commit, so the loop keeps reading the
+socket (and answering heartbeats) instead of pausing for back-pressure.  Disjoint
+parts run in parallel without locks.
 
 Threads: torch runs single-threaded here (``torch.set_num_threads(1)``): the pool
 *is* the parallelism, set by ``--data-threads``.  torch's own intra-op threads would
 otherwise turn each of thousands of element-wise ops into a parallel region that
 fights the islands for cores.  Kernels are large (one op per chunk of a part, or
-per cache block of the commit), and torch releases the GIL inside them.
+per cache block of the commit), and torch releases the GIL inside them.  Workers run
+at a lower scheduling priority than the control loop (:data:`WORKER_NICE`).
 
 Results go back to the loop through a queue plus a wake-up pipe the loop polls.
 """
@@ -97,7 +104,8 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
 
 def _fold_quant_part(w: FoldPart) -> None:
     """Fold a low-bit part: dequantize block by block straight into the running sum (never an
-    fp32 copy of the push). The first contribution starts from zeros: ``s = 0 + w * x'``."""
+    fp32 copy of the push). The first contribution starts from zeros: ``s = 0 + w * x'``. Each
+    dequantized block passes the part's bounds (element and norm) before it is folded."""
     assert w.quant is not None
     kind, block = w.quant
     codes_meta, scales_meta = w.opened.metas
@@ -111,9 +119,13 @@ def _fold_quant_part(w: FoldPart) -> None:
         raise WireError(f"{kind} part {w.part}: {exc}") from None
     if not w.sum.started[w.part]:
         out.zero_()
-    quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight))
+    bound = w.bound
+    inspect = None if bound is None else (lambda deq: check_chunk(bound, absmax(deq), deq))
+    quant.dequantize_fold(codes, scales, kind, block, out, float(w.weight), inspect)
     w.sum.absmax[w.part] = absmax(out)
     w.sum.started[w.part] = True
+    if bound is not None:
+        finish_part(bound)
 
 
 def _segment_starts(opened: Opened, lo: int) -> list[int]:
@@ -193,12 +205,16 @@ class DataPlane:
         self.threads = threads
         self._on_result = on_result
         self._queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
+        self._commit_queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
         self._pending = 0
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name=f"yeto-data-{i}", daemon=True)
             for i, q in enumerate(self._queues)
+        ] + [
+            threading.Thread(target=self._run, args=(q,), name=f"yeto-commit-{i}", daemon=True)
+            for i, q in enumerate(self._commit_queues)
         ]
         for t in self._workers:
             t.start()
@@ -213,15 +229,17 @@ class DataPlane:
         with self._lock:
             self._pending += 1
             self._pending_bytes += nbytes
-        self._queues[work.part % self.threads].put(work)
+        lanes = self._commit_queues if isinstance(work, CommitPart) else self._queues
+        lanes[work.part % self.threads].put(work)
 
     def close(self) -> None:
-        for q in self._queues:
+        for q in self._queues + self._commit_queues:
             q.put(None)
         for t in self._workers:
             t.join(timeout=10)
 
     def _run(self, q: queue.SimpleQueue[Work | None]) -> None:
+        _yield_to_the_loop()
         scratch = Scratch()
         while True:
             work = q.get()
@@ -236,6 +254,21 @@ class DataPlane:
             # Drop our references now: an idle worker must not keep the last value it read
             # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
             del work, result
+
+
+WORKER_NICE = 5
+"""How much lower than the control loop's the workers' scheduling priority is (Linux: per thread)."""
+
+
+def _yield_to_the_loop() -> None:
+    """Lower the calling worker thread's priority by :data:`WORKER_NICE`, so that on a busy host
+    the control loop (heartbeats, PULLs, pacing) gets a core before bulk work does.  Best effort:
+    a platform without per-thread priorities keeps the default."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
+    except (AttributeError, OSError) as exc:
+        log.debug("data plane: worker priority unchanged (%s)", exc)
 
 
 def run_work(work: Work, scratch: Scratch | None = None) -> Result:

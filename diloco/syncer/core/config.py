@@ -94,11 +94,12 @@ class SyncerConfig:
     max_steps_factor: int = 4
     """A push's local steps are clamped to this many times H (``--sync-every``)."""
     weight_factor: float = 4.0
-    """A push weighs at most this many times the median weight of the round's other pushes (or of the
-    fragment's previous round) (``--max-weight-factor``)."""
+    """A push weighs at most this many times the lower median weight of the round's other pushes (or
+    of the latest round's) (``--max-weight-factor``)."""
     norm_hard_factor: float = 64.0
-    """An fp32 push part whose RMS is above this many times the fragment's reference RMS (the median
-    of the previous round) is refused (``robust.py``, ``--norm-refuse-factor``)."""
+    """A push part (fp32, bf16, or low-bit once dequantized) whose RMS is above this many times the
+    fragment's reference RMS (the median of the previous round) is refused (``robust.py``,
+    ``--norm-refuse-factor``)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, what: str) -> None:

@@ -27,6 +27,7 @@ from diloco.syncer.core.kernels import FLT_MAX, step_bounds
 from diloco.syncer.core.laggards import Laggards
 from diloco.syncer.core.records import FragmentRecord, Outgoing, RoundRecord
 from diloco.syncer.core.recovery import Recovery
+from diloco.syncer.core.robustrules import judge_unjudged
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
 from diloco.syncer.core.work import CommitPart, FoldPart, Result
@@ -193,7 +194,12 @@ class Merge:
         return False
 
     def start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
-        """Merge a closed round on the data plane, one CommitPart per part."""
+        """Merge a closed round on the data plane, one CommitPart per part (an attempt judged by nothing
+        whose weights exceed the cap is re-pulled instead: ``robustrules.judge_unjudged``)."""
+        unjudged = judge_unjudged(self.config, self.recovery.reference, self.journal, r, now)
+        if unjudged is not None:
+            self.recovery.restart_attempt(r, now, out, unjudged)
+            return
         frag = self.book.fragments[r.fragment]
         total = sum(p.weight for p in r.pushes.values())
         if total == 0 or r.sum is None:

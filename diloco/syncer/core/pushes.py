@@ -135,5 +135,5 @@ class Pushes:
         lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1
-        bound = part_bound(self.config, self.reference, r, h.island, hi - lo) if quant is None else None
+        bound = part_bound(self.config, self.reference, r, h.island, hi - lo)
         self.journal.work.append(FoldPart(r.sum, h.part, lo, msg, push.weight, h.island, quant, hi - lo, bound))

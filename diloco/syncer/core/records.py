@@ -173,6 +173,9 @@ class RoundRecord:
     """Per part bounds of ``(|value'|, |momentum'|)`` that the commit was started with."""
     commit_started: float = 0.0
     """Clock when the commit of the current attempt started (its event's ``commit_s`` counts from it)."""
+    unjudged: bool = False
+    """The attempt's first push came before any weight was seen (nothing to cap it against): the
+    weights are judged when the attempt is complete (``robustrules.judge_unjudged``)."""
     pin_wait_since: float | None = None
     """Clock since when the closed round waits for a checkpoint in flight to write its fragment
     (with momentum, the commit updates it in place: ``commit.PIN_WAIT_S``)."""

@@ -5,14 +5,20 @@ when a part is folded; tested with plain values.
 
 * **Counts are clamped** (:func:`clamp_counts`): a push's local steps to
   ``max_steps_factor x H``, its tokens to ``--max-tokens-per-step`` x those steps.
-* **Weights are capped** (:func:`cap_weight`) at ``--max-weight-factor`` x the median weight
-  of the other pushes of the attempt, or, before any, of the last committed round.  Self-reported
-  tokens cannot be verified; this bounds what a liar gains to that factor.
+* **Weights are capped** (:func:`cap_weight`) at ``--max-weight-factor`` x the lower median
+  weight of the other pushes of the attempt, or, before any, of the latest round seen.
+  Self-reported tokens cannot be verified; this bounds what a liar gains to that factor.  The
+  lower median of two weights is the smaller, so a liar is never its own reference.
+* **An attempt judged by nothing is judged at its end** (:func:`unjudged_excess`): a push that
+  arrives first with no weight seen before it cannot be capped when it is folded; if, once the
+  attempt is complete, its weight exceeds the cap against the others, the attempt is dropped
+  and re-pulled, and the next attempt caps it (its claims are now the reference).  Honest runs
+  never pay this; a liar costs one re-pull.
 * **Deltas are bounded per part** (:class:`PartBound`): any element beyond ``max_abs``
   refuses the part before that chunk is folded (so ``weight x max|delta|`` summed over
   islands stays far below the fp32 range: accumulation cannot overflow); once a fragment has a
-  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), an fp32
-  part whose L2 norm is above ``--refuse-factor`` x reference x sqrt(elements) is refused.
+  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), a part
+  (fp32, bf16, or low-bit once dequantized) whose L2 norm is above ``--refuse-factor`` x reference x sqrt(elements) is refused.
   (Scaling a part down instead would need its norm before the first chunk is folded, a second
   pass over every part; the fold streams chunk by chunk, so bounds refuse, they do not clip.)
 * A refused part is charged to the island that sent it (``--max-refusals`` evicts): the
@@ -57,14 +63,27 @@ def clamp_counts(local_steps: int, tokens: int, sync_every: int, steps_factor: i
 
 
 def cap_weight(weight: int, others: Sequence[int], factor: float) -> tuple[int, str | None]:
-    """``weight`` capped at ``factor`` x the median of ``others`` (positive weights); no cap without any."""
+    """``weight`` capped at ``factor`` x the lower median of ``others`` (positive weights); no cap
+    without any."""
     ref = [w for w in others if w > 0]
     if weight <= 0 or not ref:
         return weight, None
-    cap = max(1, int(factor * statistics.median(ref)))
+    med = statistics.median_low(ref)
+    cap = max(1, int(factor * med))
     if weight <= cap:
         return weight, None
-    return cap, f"weight {weight} capped at {cap} ({factor:g} x the round's median {statistics.median(ref):g})"
+    return cap, f"weight {weight} capped at {cap} ({factor:g} x the round's lower median {med:g})"
+
+
+def unjudged_excess(weights: dict[int, int], factor: float) -> tuple[int, str] | None:
+    """(island, why) of the first push of a complete attempt whose weight exceeds ``factor`` x the
+    lower median of the others' (None: every weight passes; a lone push passes)."""
+    for island in sorted(weights):
+        others = [w for i, w in weights.items() if i != island]
+        _w, why = cap_weight(weights[island], others, factor)
+        if why:
+            return island, why
+    return None
 
 
 @dataclass
@@ -84,6 +103,8 @@ def check_chunk(bound: PartBound, amax: float, view: torch.Tensor) -> None:
         raise WireError(f"delta element of magnitude {amax:.3g} {BOUND_MARK} {bound.max_abs:.3g}")
     if view.dtype == torch.float32:  # |d| <= max_abs: the fp32 dot of one chunk cannot overflow
         bound.sumsq += float(torch.dot(view, view))
+    else:  # bf16 segments: squares summed in fp32 without an fp32 copy of the chunk
+        bound.sumsq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
 
 
 def finish_part(bound: PartBound) -> None:

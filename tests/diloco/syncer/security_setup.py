@@ -44,11 +44,12 @@ class Setup:
     value: list[list[np.ndarray]]
     mom: list[list[np.ndarray]]
     curves: dict[str, ClientCurve] = field(default_factory=dict)
+    fragments: int = P
 
     def island(self, island: int, name: str | None = None, *, key: bytes | None = None) -> Island:
         curve = self.curves.get(name or f"island-{island}")
         return Island(self.ctx, self.syncer.endpoint, island, key=self.key if key is None else key,
-                      schema=[SHAPES] * P, curve=curve)
+                      schema=[SHAPES] * self.fragments, curve=curve)
 
     def close(self) -> None:
         for isl in (self.a, self.b, self.evil):
@@ -110,9 +111,9 @@ def _curve_files(tmp: Path) -> tuple[list[str], dict[str, ClientCurve]]:
 
 
 def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None,
-          soft_nofile: int | None = None) -> Setup:
+          soft_nofile: int | None = None, fragments: int = P, islands: int = 2) -> Setup:
     """A syncer in ``mode`` with islands a (0) and b (1) at round 1 open, and ``evil``; ``soft_nofile``
-    starts the syncer under that soft open-file limit."""
+    starts the syncer under that soft open-file limit; ``islands``: the syncer's ``--islands``."""
     rng = np.random.default_rng(seed)
     if mode == "curve":
         args, curves = _curve_files(tmp)
@@ -127,24 +128,24 @@ def start(tmp: Path, mode: str, *, seed: int = 3, extra: list[str] | None = None
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft_nofile, limits[1]))
     try:
         syncer = SyncerProc(tmp, [
-            "--islands", "2", "--sync-every", "2", "--total-steps", "2", "--grace-ms", "0", "--quorum-timeout-s",
+            "--islands", str(islands), "--sync-every", "2", "--total-steps", "2", "--grace-ms", "0", "--quorum-timeout-s",
             "600", "--dead-after-s", "600", "--part-mib", "0.015625", "--event-log", str(tmp / "events.jsonl"), *args,
             *(extra or []),
         ])
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     ctx: zmq.Context[Any] = zmq.Context()
-    s = Setup(mode, syncer, ctx, key, None, None, None, [], [], curves)  # type: ignore[arg-type]
+    s = Setup(mode, syncer, ctx, key, None, None, None, [], [], curves, fragments)  # type: ignore[arg-type]
     s.a, s.b, s.evil = s.island(0), s.island(1), s.island(1, "evil")
     for isl in (s.a, s.b):
-        isl.send(hello(isl))
+        isl.send(hello(isl, n_fragments=fragments))
         assert isl.expect(Welcome).header.need_init == (isl is s.a)
-    s.value = [[rng.standard_normal(sh).astype(np.float32) for _n, sh in SHAPES] for _ in range(P)]
+    s.value = [[rng.standard_normal(sh).astype(np.float32) for _n, sh in SHAPES] for _ in range(fragments)]
     s.mom = [[np.zeros_like(x) for x in fr] for fr in s.value]
-    for f in range(P):
-        s.a.send(Init(island=0, generation=s.a.generation, fragment=f, n_fragments=P), tensors(s.value[f]))
+    for f in range(fragments):
+        s.a.send(Init(island=0, generation=s.a.generation, fragment=f, n_fragments=fragments), tensors(s.value[f]))
     for isl in (s.a, s.b):
-        assert [isl.expect(Bcast).header.cut for _ in range(P)] == [True] * P
+        assert [isl.expect(Bcast).header.cut for _ in range(fragments)] == [True] * fragments
         isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=0))  # a HELLO is not membership
     time.sleep(0.2)
     for isl in (s.a, s.b):

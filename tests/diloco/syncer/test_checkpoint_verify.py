@@ -23,7 +23,7 @@ from test_state import CFG, open_round1, peer, pushes, started  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 
-def two_checkpoints(tmp_path: Path) -> tuple[CheckpointStore, Path, Path, SyncerState]:
+def two_checkpoints(tmp_path: Path) -> tuple[CheckpointStore, Path, Path, Coordinator]:
     """ckpt 1 at versions (0, 0), ckpt 2 after round 1 committed (1, 0)."""
     d = started()
     store = CheckpointStore(tmp_path)

@@ -139,3 +139,25 @@ def test_malformed_low_bit_parts_are_refused_and_change_nothing() -> None:
     bad[3] = float("inf")
     out = d.send(peer(0), h, [("codes", codes), ("scales", bad)])
     assert errors(out) == ["bad_push"] and d.st.rounds[1].attempt == 1
+
+
+@pytest.mark.parametrize("dtype", ["q4", "int8"])
+def test_an_absurd_low_bit_delta_is_refused_by_the_part_bounds(dtype: str) -> None:
+    """A low-bit delta of 1e30 is well-formed (its scales are below the format's bound) but holds
+    elements beyond the syncer's bound: refused before its chunk is folded, charged to its island."""
+    d = Driver(CFG)
+    for i, dt in enumerate(DTYPES):
+        d.send(peer(i), hello(i, dt))
+    d.send_all(peer(0), init_parts(0, 1, values(0), E, generation=GEN[0]))
+    for step in (0, 2):  # every island heartbeats after WELCOME, then the round opens
+        for j in range(3):
+            d.send(peer(j), Heartbeat(island=j, generation=GEN[j], step=step))
+    assert 1 in d.st.rounds
+    i = DTYPES.index(dtype)
+    delta = torch.cat([t.reshape(-1) for _n, t in values(7, 1e30)])
+    out = []
+    for h, ts in quant_parts(i, dtype, delta, 10):
+        out += d.send(peer(i), h, ts)
+    out += d.run(1.0)
+    assert "bad_push" in errors(out) and d.st.rounds[1].attempt == 1
+    assert f"i{i}:refused1" in d.st.reference.summary()

@@ -7,6 +7,8 @@ rounds. Messages go through the real codec; data-plane work runs inline (``state
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 from dataclasses import replace
@@ -129,7 +131,8 @@ def sums(d: Driver) -> dict[int, torch.Tensor]:
 
 
 def test_interleaved_parts_commit_bitwise_in_recorded_fold_order() -> None:
-    d = started()
+    # Token counts 136x apart test fp32 rounding of the weights: a weight factor that admits them.
+    d = started(dataclasses.replace(CFG, weight_factor=1000.0))
     rng = random.Random(5)
     tok = {0: 123457, 1: 9999991, 2: 16777219}  # the last is not an fp32 integer: rounded like np.float32
     for rnd in (1, 2):  # round 2 starts from round 1's momentum

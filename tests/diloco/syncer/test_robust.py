@@ -9,7 +9,8 @@ import torch
 
 from diloco.syncer.allowlist import read_allow_list
 from diloco.syncer.core.gate import Gate
-from diloco.syncer.core.robust import PartBound, Reference, cap_weight, check_chunk, clamp_counts, finish_part, overflow_safe
+from diloco.syncer.core.robust import (PartBound, Reference, cap_weight, check_chunk, clamp_counts, finish_part,
+                                       overflow_safe, unjudged_excess)
 from diloco.wire import WireError
 
 
@@ -20,6 +21,15 @@ def test_counts_are_clamped_and_a_liars_weight_capped() -> None:
     w, why = cap_weight(2**64 - 1, [10**8], factor=4.0)
     assert w == 4 * 10**8 and why  # the liar's share: 4/5, not 100 %
     assert cap_weight(10**8, [], 4.0) == (10**8, None)
+    # The lower median: with two weights the liar's own claim is never the reference.
+    assert cap_weight(2**40, [2**40, 100], 4.0)[0] == 400
+
+
+def test_an_attempt_judged_by_nothing_is_judged_when_complete() -> None:
+    assert unjudged_excess({0: 100, 1: 400}, 4.0) is None
+    assert unjudged_excess({1: 2**40}, 4.0) is None  # a lone push: nothing to compare
+    island, why = unjudged_excess({0: 100, 1: 2**40, 2: 120}, 4.0)
+    assert island == 1 and "capped at 400" in why
 
 
 def test_part_bounds_refuse_absurd_elements_and_norms() -> None:

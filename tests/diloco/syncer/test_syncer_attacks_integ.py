@@ -41,14 +41,34 @@ def new_value(isl: Island, version: int) -> list[np.ndarray]:
             return [t.numpy() for _n, t in m.tensors]
 
 
-@pytest.mark.parametrize("attack", ["tokens", "1e30", "3e38"])
+@pytest.mark.parametrize("attack", ["tokens", "tokens-first", "1e30", "3e38"])
 def test_a_lying_island_cannot_move_the_merged_value_beyond_the_honest_range(tmp_path, attack: str) -> None:
     s = start(tmp_path, "hmac")
     try:
         rng = np.random.default_rng(4)
         honest = [(rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]
-        s.a.send(push_header(s.a, tokens=100), tensors(honest))
-        if attack == "tokens":
+        if attack == "tokens-first":
+            # The liar pushes first, before any weight was seen: nothing caps it when it is folded.
+            # Once the attempt is complete its weight fails the cap, the attempt is re-pulled, and
+            # the next attempt caps it against the claims just seen.
+            lie = [(rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]
+            s.b.send(push_header(s.b, tokens=2**62), tensors(lie))
+            time.sleep(0.3)
+            s.a.send(push_header(s.a, tokens=100), tensors(honest))
+            for isl in (s.a, s.b):
+                assert isl.expect(Pull, strict=False).header.attempt == 1
+            s.b.send(push_header(s.b, tokens=2**62, attempt=1), tensors(lie))
+            s.a.send(push_header(s.a, tokens=100, attempt=1), tensors(honest))
+            ev = commit_of(s, 1)
+            assert ev["attempt"] == 1 and ev["weights"] == {"0": 100, "1": 400}
+            ref, _ = reference_fragment(s.value[0], s.mom[0], {0: honest, 1: lie}, {0: 100, 1: 400},
+                                        ev["fold_order"], 4096)
+            assert "i1:capped" in last_status(s.syncer)
+        else:
+            s.a.send(push_header(s.a, tokens=100), tensors(honest))
+        if attack == "tokens-first":
+            pass
+        elif attack == "tokens":
             lie = [(rng.standard_normal(sh) * 0.01).astype(np.float32) for _n, sh in SHAPES]
             s.b.send(push_header(s.b, tokens=2**62), tensors(lie))
             ev = commit_of(s, 1)

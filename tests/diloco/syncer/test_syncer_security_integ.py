@@ -214,3 +214,64 @@ def test_slow_loris_costs_the_syncer_nothing(tmp_path, mode: str) -> None:
         commit_round_1(s, s.a, s.b)  # listed islands were served all along
     finally:
         s.close()
+
+
+def heartbeat_rtt(isl: Island, step: int, timeout_s: float = 5.0) -> float:
+    """Seconds from a HEARTBEAT to the syncer's HEARTBEAT reply (nothing else may arrive meanwhile)."""
+    t0 = time.monotonic()
+    isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=step))
+    while True:
+        left = t0 + timeout_s - time.monotonic()
+        assert left > 0 and isl.sock.poll(int(left * 1000)), f"no HEARTBEAT reply in {timeout_s} s"
+        h = open_message(isl.sock.recv_multipart(), key=isl.key).header
+        if isinstance(h, Heartbeat):
+            return time.monotonic() - t0
+        assert type(h).__name__ == "Progress", h
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(240)
+def test_a_hello_flood_costs_little_and_its_phantom_ids_are_never_waited_for(tmp_path) -> None:
+    """An admitted key sends 5,000 HELLOs cycling 63 ids (fresh generations, 50 connections) at 8
+    fragments: the syncer grows < 64 MiB, answers a real island's heartbeats within 1 s all along,
+    and the next round opens with, and commits from, the two real islands only."""
+    s = start(tmp_path, "hmac", fragments=8, islands=65, extra=["--sync-every", "8", "--total-steps", "4"])
+    conns: list[Island] = []
+    try:
+        time.sleep(0.5)
+        rss0 = rss(s.syncer)
+        conns = [s.island(2 + k % 63) for k in range(50)]
+        worst = 0.0
+        sent = answered = 0
+        while sent < 5000:
+            for k, c in enumerate(conns):
+                island = 2 + (sent % 63)
+                c.send(hello(c, island=island, generation=random.getrandbits(62), n_fragments=8))
+                sent += 1
+            for c in conns:
+                answered += drain(c)
+            if sent % 1000 == 0:  # a real island's heartbeat, answered in time during the flood
+                worst = max(worst, heartbeat_rtt(s.a, 1))
+        time.sleep(1.0)
+        for c in conns:
+            answered += drain(c)
+        assert answered >= len(conns)  # HELLOs within the rate were admitted (WELCOME, cut streams)
+        grown = rss(s.syncer) - rss0
+        worst = max(worst, heartbeat_rtt(s.a, 1))
+        print(f"HELLO_FLOOD hellos={sent} rss_growth_mib={grown / 2**20:.2f} worst_heartbeat_s={worst:.3f}")
+        assert grown < 64 << 20, f"RSS grew by {grown / 2**20:.1f} MiB"
+        assert worst < 1.0, f"a heartbeat waited {worst:.2f} s"
+        commit_round_1(s, s.a, s.b)
+        # Round 2 opens after the flood: its members are the two real islands, never the phantoms
+        # (the quorum timeout is 600 s: waiting on one would hang this test).
+        for isl in (s.a, s.b):
+            isl.send(Heartbeat(island=isl.island, generation=isl.generation, step=2))
+        for isl in (s.a, s.b):
+            assert isl.expect(Pull, strict=False).header.round == 2
+            isl.send(push_header(isl, fragment=1, round=2, tokens=100),
+                     tensors([np.zeros(sh, np.float32) for _n, sh in SHAPES]))
+        assert commit_event(s.syncer.log_path.parent / "events.jsonl", 2, timeout_s=30.0)["pushed"] == [0, 1]
+    finally:
+        for c in conns:
+            c.close()
+        s.close()
