@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-per-step", type=int, default=1 << 24,
                    help="tokens one local step may claim; a push's tokens are clamped to this x its local steps")
     p.add_argument("--max-weight-factor", type=float, default=4.0,
-                   help="a push weighs at most this x the lower median weight of the round's other pushes")
+                   help="a push weighs at most this x the lower median weight per step of the round's other pushes, x its steps")
     p.add_argument("--norm-refuse-factor", type=float, default=64.0,
                    help="an fp32 push part whose RMS exceeds this x the fragment's reference RMS is refused")
     p.add_argument("--max-open-rounds", type=int, default=2,

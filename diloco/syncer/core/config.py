@@ -94,8 +94,8 @@ class SyncerConfig:
     max_steps_factor: int = 4
     """A push's local steps are clamped to this many times H (``--sync-every``)."""
     weight_factor: float = 4.0
-    """A push weighs at most this many times the lower median weight of the round's other pushes (or
-    of the latest round's) (``--max-weight-factor``)."""
+    """A push weighs at most this many times the lower median weight per local step of the round's
+    other pushes (or of the latest attempt's), times its own clamped steps (``--max-weight-factor``)."""
     norm_hard_factor: float = 64.0
     """A push part (fp32, bf16, or low-bit once dequantized) whose RMS is above this many times the
     fragment's reference RMS (the median of the previous round) is refused (``robust.py``,

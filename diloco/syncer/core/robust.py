@@ -5,10 +5,12 @@ when a part is folded; tested with plain values.
 
 * **Counts are clamped** (:func:`clamp_counts`): a push's local steps to
   ``max_steps_factor x H``, its tokens to ``--max-tokens-per-step`` x those steps.
-* **Weights are capped** (:func:`cap_weight`) at ``--max-weight-factor`` x the lower median
-  weight of the other pushes of the attempt, or, before any, of the latest round seen.
-  Self-reported tokens cannot be verified; this bounds what a liar gains to that factor.  The
-  lower median of two weights is the smaller, so a liar is never its own reference.
+* **Weights are capped** (:func:`cap_weight`) per local step: at ``--max-weight-factor`` x the
+  lower median weight per step of the other pushes of the attempt (or, before any, of the
+  latest attempt seen) x the push's clamped steps.  Self-reported tokens cannot be verified;
+  this bounds a liar's weight per step to that factor of the honest islands' (and its steps to
+  ``max_steps_factor x H``), while honest islands that pushed after different numbers of steps
+  are never capped.  The lower median of two is the smaller: a liar is never its own reference.
 * **An attempt judged by nothing is judged at its end** (:func:`unjudged_excess`): a push that
   arrives first with no weight seen before it cannot be capped when it is folded; if, once the
   attempt is complete, its weight exceeds the cap against the others, the attempt is dropped
@@ -62,25 +64,32 @@ def clamp_counts(local_steps: int, tokens: int, sync_every: int, steps_factor: i
     return steps, toks, why
 
 
-def cap_weight(weight: int, others: Sequence[int], factor: float) -> tuple[int, str | None]:
-    """``weight`` capped at ``factor`` x the lower median of ``others`` (positive weights); no cap
-    without any."""
-    ref = [w for w in others if w > 0]
+def cap_weight(weight: int, steps: int, other_rates: Sequence[float], factor: float) -> tuple[int, str | None]:
+    """``weight`` capped at ``factor`` x the lower median of ``other_rates`` (weight per local
+    step of the other pushes) x this push's ``steps`` (clamped); no cap without any rate.
+
+    Per step, so honest islands that pushed after different numbers of steps (a flush round, a
+    push deferred by a busy snapshot slot) are never capped; the lower median of two rates is the
+    smaller, so a liar is never its own reference."""
+    ref = [r for r in other_rates if r > 0]
     if weight <= 0 or not ref:
         return weight, None
     med = statistics.median_low(ref)
-    cap = max(1, int(factor * med))
+    cap = max(1, int(factor * med * max(steps, 1)))
     if weight <= cap:
         return weight, None
-    return cap, f"weight {weight} capped at {cap} ({factor:g} x the round's lower median {med:g})"
+    return cap, (f"weight {weight} capped at {cap} ({factor:g} x the lower median weight per step {med:g} "
+                 f"x {steps} steps)")
 
 
-def unjudged_excess(weights: dict[int, int], factor: float) -> tuple[int, str] | None:
-    """(island, why) of the first push of a complete attempt whose weight exceeds ``factor`` x the
-    lower median of the others' (None: every weight passes; a lone push passes)."""
-    for island in sorted(weights):
-        others = [w for i, w in weights.items() if i != island]
-        _w, why = cap_weight(weights[island], others, factor)
+def unjudged_excess(pushes: dict[int, tuple[int, int]], factor: float) -> tuple[int, str] | None:
+    """(island, why) of the first push of a complete attempt, ``island -> (weight, clamped
+    steps)``, whose weight exceeds its cap against the others' rates (None: every weight passes;
+    a lone push passes)."""
+    for island in sorted(pushes):
+        weight, steps = pushes[island]
+        others = [w / max(s, 1) for i, (w, s) in pushes.items() if i != island and w > 0]
+        _w, why = cap_weight(weight, steps, others, factor)
         if why:
             return island, why
     return None
@@ -131,7 +140,8 @@ class Reference:
 
     def __init__(self) -> None:
         self.rms: dict[int, float] = {}
-        self.last_weights: dict[int, tuple[int, ...]] = {}
+        self.last_rates: dict[int, tuple[float, ...]] = {}
+        """Per fragment: the weights per step of its latest attempt's pushes."""
         self.benched: set[int] = set()
         """Islands charged with a refused part: left out of the attempt that replaces it."""
         self.tally: dict[int, dict[str, int]] = {}
@@ -163,10 +173,10 @@ class Reference:
         if rms and statistics.median(rms) > 0:
             self.rms[fragment] = statistics.median(rms)
 
-    def weights_seen(self, fragment: int, weights: Sequence[int]) -> None:
-        """Weights of a round of ``fragment`` as it closes (the next rounds' fallback reference)."""
-        if any(w > 0 for w in weights):
-            self.last_weights[fragment] = tuple(w for w in weights if w > 0)
+    def rates_seen(self, fragment: int, rates: Sequence[float]) -> None:
+        """Weights per step of an attempt of ``fragment`` (the next attempts' fallback reference)."""
+        if any(r > 0 for r in rates):
+            self.last_rates[fragment] = tuple(r for r in rates if r > 0)
 
     def bound(self, fragment: int, round_: int, island: int, n: int, refuse_factor: float) -> PartBound:
         with self._lock:
@@ -184,13 +194,13 @@ class Reference:
 
 
 def robust_weight(local_steps: int, tokens: int, weighting: str, sync_every: int, steps_factor: int,
-                  max_tokens_per_step: int, others: Sequence[int], weight_factor: float) -> tuple[int, list[str]]:
-    """The weight a push gets (counts clamped, then capped against ``others``) and why it changed."""
+                  max_tokens_per_step: int, other_rates: Sequence[float], weight_factor: float) -> tuple[int, int, list[str]]:
+    """(weight, clamped steps, why either changed) of a push: counts clamped, then the weight
+    capped against ``other_rates`` (weights per step of the other pushes)."""
     steps, toks, why = clamp_counts(local_steps, tokens, sync_every, steps_factor, max_tokens_per_step)
     notes = [why] if why else []
     weight = push_weight(steps, toks, weighting)
-    weight, capped = cap_weight(weight, others, weight_factor)
+    weight, capped = cap_weight(weight, steps, other_rates, weight_factor)
     if capped:
         notes.append(capped)
-    return weight, notes
-
+    return weight, steps, notes

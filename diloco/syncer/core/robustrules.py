@@ -21,20 +21,26 @@ def push_weight_of(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
                    now: float) -> int:
     """The weight of a push accepted at its part 0: counts clamped, weight capped, both logged."""
     if not r.pushes:  # the attempt's first push: judged by nothing when no weight was seen yet
-        r.unjudged = not reference.last_weights
-    others = [p.weight for p in r.pushes.values() if p.weight > 0]
+        r.unjudged = not reference.last_rates
+    others = [p.weight / max(clamped_steps(cfg, p.local_steps), 1) for p in r.pushes.values() if p.weight > 0]
     if not others:
-        others = list(reference.last_weights.get(r.fragment, ())) or [
-            w for ws in reference.last_weights.values() for w in ws]
-    weight, notes = robust_weight(h.local_steps, h.tokens, cfg.weighting, cfg.sync_every, cfg.max_steps_factor,
-                                  cfg.max_tokens_per_step, others, cfg.weight_factor)
+        others = list(reference.last_rates.get(r.fragment, ())) or [
+            x for rates in reference.last_rates.values() for x in rates]
+    weight, steps, notes = robust_weight(h.local_steps, h.tokens, cfg.weighting, cfg.sync_every,
+                                         cfg.max_steps_factor, cfg.max_tokens_per_step, others, cfg.weight_factor)
     for note in notes:
         what = "capped" if note.startswith("weight") else "clamped"
         reference.count(h.island, what)
         log.warning("island %d round %d: %s", h.island, r.round, note)
         journal.events.append({"time": now, "round": r.round, "island": h.island, what: note})
-    reference.weights_seen(r.fragment, [*(p.weight for p in r.pushes.values()), weight])
+    rates = [p.weight / max(clamped_steps(cfg, p.local_steps), 1) for p in r.pushes.values() if p.weight > 0]
+    reference.rates_seen(r.fragment, [*rates, weight / max(steps, 1)])
     return weight
+
+
+def clamped_steps(cfg: SyncerConfig, local_steps: int) -> int:
+    """A push's local steps as clamped for its weight (``robust.clamp_counts``)."""
+    return min(local_steps, cfg.max_steps_factor * cfg.sync_every)
 
 
 def judge_unjudged(cfg: SyncerConfig, reference: Reference, journal: Journal, r: RoundRecord,
@@ -46,7 +52,8 @@ def judge_unjudged(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
     if not r.unjudged:
         return None
     r.unjudged = False
-    found = unjudged_excess({i: p.weight for i, p in r.pushes.items() if p.weight > 0}, cfg.weight_factor)
+    found = unjudged_excess({i: (p.weight, clamped_steps(cfg, p.local_steps)) for i, p in r.pushes.items()
+                             if p.weight > 0}, cfg.weight_factor)
     if found is None:
         return None
     island, why = found

@@ -18,17 +18,21 @@ def test_counts_are_clamped_and_a_liars_weight_capped() -> None:
     steps, toks, why = clamp_counts(2**40, 2**64 - 1, sync_every=10, steps_factor=4, max_tokens_per_step=1000)
     assert (steps, toks) == (40, 40_000) and why
     assert clamp_counts(10, 5000, 10, 4, 1000) == (10, 5000, None)
-    w, why = cap_weight(2**64 - 1, [10**8], factor=4.0)
+    w, why = cap_weight(2**64 - 1, 10, [10**7], factor=4.0)  # the other pushed 1e7 tokens per step
     assert w == 4 * 10**8 and why  # the liar's share: 4/5, not 100 %
-    assert cap_weight(10**8, [], 4.0) == (10**8, None)
-    # The lower median: with two weights the liar's own claim is never the reference.
-    assert cap_weight(2**40, [2**40, 100], 4.0)[0] == 400
+    assert cap_weight(10**8, 10, [], 4.0) == (10**8, None)
+    # The lower median: with two rates the liar's own claim is never the reference.
+    assert cap_weight(2**40, 1, [2**40, 100], 4.0)[0] == 400
+    # Per step: an honest island that pushed after 10 steps, against one that pushed after 2
+    # (the same tokens per step), is not capped.
+    assert cap_weight(40960, 10, [8192 / 2], 4.0) == (40960, None)
 
 
 def test_an_attempt_judged_by_nothing_is_judged_when_complete() -> None:
-    assert unjudged_excess({0: 100, 1: 400}, 4.0) is None
-    assert unjudged_excess({1: 2**40}, 4.0) is None  # a lone push: nothing to compare
-    island, why = unjudged_excess({0: 100, 1: 2**40, 2: 120}, 4.0)
+    assert unjudged_excess({0: (100, 2), 1: (400, 2)}, 4.0) is None
+    assert unjudged_excess({0: (100, 2), 1: (500, 10)}, 4.0) is None  # more steps, same rate
+    assert unjudged_excess({1: (2**40, 2)}, 4.0) is None  # a lone push: nothing to compare
+    island, why = unjudged_excess({0: (100, 2), 1: (2**40, 2), 2: (120, 2)}, 4.0)
     assert island == 1 and "capped at 400" in why
 
 
