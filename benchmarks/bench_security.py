@@ -216,6 +216,7 @@ def lying_island(attack: str) -> dict[str, object]:
                 s.a.send(push_header(s.a, tokens=100, attempt=1), tensors(honest))
             else:
                 s.a.send(push_header(s.a, tokens=100), tensors(honest))
+                time.sleep(0.3)  # the honest push is seen first
             if attack == "tokens-first":
                 pass
             elif attack == "tokens":

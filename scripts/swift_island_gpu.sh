@@ -11,7 +11,9 @@
 # Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599), MODEL_ARGS (tiny),
 #   SYNCER_ARGS (extra yeto-syncer flags), ISLAND_ENV (extra VAR=value pairs for both islands),
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
-#   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs).
+#   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs),
+#   NO_PLUGIN=1 (the same two jobs without the plugin and without a syncer: the baseline of the
+#   "whole run" figure; the report gives each island's wall time either way).
 # Exit status: 0 only if the syncer and both islands exit 0 and both final digests are equal.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,11 +61,17 @@ rm -rf "$WORK/ckpt" "$WORK"/steps-*.jsonl "$WORK"/digest-*.json "$WORK/events.js
 
 # --- 3. the syncer -------------------------------------------------------------------------
 export YETO_SYNC_KEY=${YETO_SYNC_KEY:-swift-gpu-test-key}
+if [ -n "${NO_PLUGIN:-}" ]; then
+  PLUGIN_ARGS=(--external_plugins "$TE_PLUGIN")
+  sleep infinity & SYNCER=$!  # no syncer: a placeholder the waits below can end
+else
+  PLUGIN_ARGS=(--external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto)
 PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
   --total-steps "$STEPS" --grace-ms 500 --quorum-timeout-s 120 --final-timeout-s 300 --dead-after-s 120 \
   --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 ${SYNCER_ARGS:-} \
   >"$WORK/syncer.log" 2>&1 &
 SYNCER=$!
+fi
 
 # --- 4. two islands: same GPU, different MASTER_PORT, own island id / seed / logs ------------
 island() {  # island ID MASTER_PORT
@@ -74,7 +82,7 @@ island() {  # island ID MASTER_PORT
   env ${ISLAND_ENV:-} timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
     --model "$MODEL_DIR" --model_type qwen2 --template qwen \
     --dataset "$WORK/data/$([ "$1" = 1 ] && echo pt_island1.jsonl || echo pt.jsonl)" --split_dataset_ratio 0 \
-    --external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto \
+    "${PLUGIN_ARGS[@]}" \
     --tensor_model_parallel_size 1 --pipeline_model_parallel_size 1 \
     --micro_batch_size 4 --global_batch_size 16 --max_length 256 \
     --train_iters "$STEPS" --lr 1e-3 --min_lr 1e-4 --lr_warmup_iters 5 \
@@ -83,11 +91,17 @@ island() {  # island ID MASTER_PORT
     --logging_steps 5 --save_steps 100000 --save_safetensors false --no_save_optim true --no_save_rng true \
     --check_model false --dataloader_num_workers 0 --dataset_num_proc 1 \
     --output_dir "$WORK/runs/island$1" >"$WORK/island$1.log" 2>&1
+  local rc=$?
+  echo "$(( $(date +%s%N) / 1000000 - T_START_MS ))" >"$WORK/wall-$1.ms"
+  return $rc
 }
+T_START_MS=$(( $(date +%s%N) / 1000000 ))
 island 0 29510 & I0=$!
 island 1 29520 & I1=$!
 wait $I0; RC0=$?
 wait $I1; RC1=$?
+say "island wall times (launch to exit, s): $(for i in 0 1; do awk '{printf "%.1f ", $1 / 1000}' "$WORK/wall-$i.ms"; done)"
+if [ -n "${NO_PLUGIN:-}" ]; then kill $SYNCER 2>/dev/null; wait $SYNCER 2>/dev/null; say "exit codes (no plugin): island0=$RC0 island1=$RC1"; cp "$REPORT" "$WORK/island0.log" "$WORK/island1.log" "$RESULT/" 2>/dev/null; [ "$RC0" = 0 ] && [ "$RC1" = 0 ]; exit $?; fi
 # The syncer exits by itself after both FINAL_ACKs; bound the wait anyway.
 for _ in $(seq 60); do kill -0 $SYNCER 2>/dev/null || break; sleep 1; done
 if kill -0 $SYNCER 2>/dev/null; then say "syncer still running; stopping it"; kill $SYNCER; fi

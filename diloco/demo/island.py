@@ -229,6 +229,7 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
     dp_rank = ps.get_data_parallel_rank()
     tb = _tensorboard(run, rank)
     island = None
+    slice_bytes = 0
     if run.sync_addr:
         from diloco.config import IslandConfig
         from diloco.island.boundary import Island
@@ -241,7 +242,9 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
                "YETO_DILOCO_STEP_LOG": os.path.join(run.out_dir, f"{run.name}.steplog.jsonl")}
         cfg = IslandConfig.from_env(env, writer=tb, log_interval=run.log_interval)
         tokens = run.micro_batch * run.seq * ps.get_data_parallel_world_size()
-        island = Island(cfg, built.layout(), tokens_per_step=tokens)
+        layout = built.layout()
+        island = Island(cfg, layout, tokens_per_step=tokens)
+        slice_bytes = sum(p.master.numel() * 4 for p in layout.local_pieces())
         island.start()
         if run.start_together > 0:
             _start_barrier(run, rank)
@@ -267,13 +270,17 @@ def _rank_main(rank: int, world: int, run_dict: dict) -> dict | None:
         tb.close()
     digests = fragment_digests(island) if island is not None else None
     digest = combined_digest(digests) if digests is not None else None
+    buffers = None if island is None else {"rank": rank, "sync_buffers": dict(island.sync_buffers),
+                                           "slice_bytes": slice_bytes,
+                                           "model_bytes": sum(island.plan.nbytes(f) for f in range(island.plan.n_fragments))}
     if rank != 0:
-        return None
+        return buffers
     assert progress is not None
     progress.close()
     return {"name": run.name, "layout": run.layout, "first_loss": first_loss, "train_loss": last_loss,
             "eval_loss": eval_loss, "versions": versions, "digest": digest, "wall_s": time.time() - t0,
-            "steps": run.steps, "data_seed": run.data_seed, "batch_streams": run.batch_streams}
+            "steps": run.steps, "data_seed": run.data_seed, "batch_streams": run.batch_streams,
+            "ranks": [buffers]}
 
 
 def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
@@ -281,6 +288,7 @@ def run_island(run: IslandRun, timeout_s: float = 1800.0) -> dict:
     tp, pp, dp = parse_layout(run.layout)
     results = run_ranks(tp * pp * dp, _rank_main, asdict(run), timeout_s=timeout_s)
     result = results[0]
+    result["ranks"] = [r for r in [result["ranks"][0], *results[1:]] if r is not None]  # each rank's sync buffers
     with open(os.path.join(run.out_dir, f"{run.name}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     return result

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 
@@ -43,6 +42,7 @@ from diloco.island.inbox import ReceiveTarget
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
+from diloco.protocol import session
 from diloco.security import secure_client
 from diloco.wire.pacing import Pacer
 
@@ -229,7 +229,7 @@ class SyncClient:
 
     # ------------------------------------------------------------------ the connection's thread
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
-        gen = random.getrandbits(63) or 1
+        gen = session.draw_id()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())

@@ -24,7 +24,7 @@ from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.effects import BACKOFF_START_S, Effects
 from diloco.island.orders import PendingBcast
-from diloco.protocol import refusals
+from diloco.protocol import refusals, session
 
 if TYPE_CHECKING:
     from diloco.island.liveness import Liveness
@@ -132,13 +132,13 @@ class Inbox:
         restarted syncer that no longer knows us (nonce 0, a rejoin code: we say HELLO again)."""
         h = opened.header
         if isinstance(h, wire.Welcome):
-            if self._nonce or h.generation != self._generation or not h.nonce or opened.nonce != h.nonce:
+            if not session.welcome_answers(h.generation, h.nonce, opened.nonce, self._generation, self._nonce):
                 return f"a WELCOME of another connection (generation {h.generation:x}, session {self._nonce:x})"
         elif opened.nonce == 0 and isinstance(h, wire.Error) and (not self._nonce or h.code in _REJOIN_CODES):
             return None
-        elif not self._nonce or opened.nonce != self._nonce:
+        elif session.foreign_nonce(opened.nonce, self._nonce):
             return f"{wire.kind_of(h)} with nonce {opened.nonce:x}, not this connection's {self._nonce:x}"
-        elif opened.seq <= self._recv_seq:
+        elif session.replayed(opened.seq, self._recv_seq):
             return f"{wire.kind_of(h)} with sequence number {opened.seq} <= {self._recv_seq} (a replay)"
         self._recv_seq = opened.seq
         return None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import xxhash
 
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 
 CHUNK_ELEMS = 4 << 20
 """Elements per step of the finiteness check (16 MiB of fp32, 4 MiB of bool temporaries)."""

@@ -3,7 +3,7 @@
 Writing a checkpoint of a large model takes minutes; the loop must keep answering heartbeats
 meanwhile, so the write runs on a thread of its own.  The caller owns the snapshot's pins:
 when :meth:`CheckpointWriter.reap` reports a finished write, the caller releases them
-(``SyncerState.release_snapshot``).  A failed write is logged and remembered in ``failed``;
+(``Coordinator.release_snapshot``).  A failed write is logged and remembered in ``failed``;
 the syncer keeps serving without it.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 
-from diloco.syncer.records import FragmentSnapshot, Snapshot
+from diloco.syncer.core.records import FragmentSnapshot, Snapshot
 from diloco.syncer.store import CheckpointStore
 
 log = logging.getLogger("diloco.syncer.loop")
@@ -59,7 +59,7 @@ class CheckpointWriter:
         self._thread.start()
 
     def take_written(self) -> set[int]:
-        """Fragments written since the last call (the loop unpins them: ``SyncerState.unpin``)."""
+        """Fragments written since the last call (the loop unpins them: ``Coordinator.unpin``)."""
         done = set(self._written)  # set.add on the writer thread is atomic; copy, then remove those
         self._written -= done
         return done

@@ -20,13 +20,13 @@ from types import FrameType
 from diloco.hostmem import tune_syncer_malloc
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
-from diloco.syncer.config import ConfigError, SyncerConfig
+from diloco.syncer.core.config import ConfigError, SyncerConfig
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
-from diloco.syncer.gate import read_allow_list
+from diloco.syncer.allowlist import read_allow_list
 from diloco.syncer.loop import LoopOptions, SyncerLoop
 from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.resume import ResumeError, choose
 from diloco.syncer.store import CheckpointStore
 
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
         log.info("resuming from %s", path)
     try:
-        state = SyncerState(config, snapshot=snapshot)
+        state = Coordinator(config, snapshot=snapshot)
     except ValueError as e:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG

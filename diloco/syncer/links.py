@@ -30,8 +30,8 @@ from diloco.wire import Heartbeat, Progress, bcast_dtype
 from diloco.wire.rates import RateMeter
 
 if TYPE_CHECKING:
-    from diloco.syncer.records import Outgoing
-    from diloco.syncer.state import SyncerState
+    from diloco.syncer.core.records import Outgoing
+    from diloco.syncer.core.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class LinkWatch:
         self.in_bytes += data_bytes
         self.links[island].up.add(data_bytes, now)
 
-    def _count_sent(self, state: SyncerState, tracked: Iterable[tuple[Any, Any]], now: float) -> None:
+    def _count_sent(self, state: Coordinator, tracked: Iterable[tuple[Any, Any]], now: float) -> None:
         """Downlink bytes: what each tracked value stream handed to zmq since the last look."""
         current: dict[int, tuple[Any, int, bytes]] = {}
         for stream, o in tracked:
@@ -195,7 +195,7 @@ class LinkWatch:
         for key, (stream, counted, peer) in {**self._seen, **current}.items():
             delta = stream.data_bytes - counted
             if delta > 0:
-                island = state.peers.get(peer)
+                island = state.island_of(peer)
                 if island is not None:
                     self.links[island].sent += delta
                     self.links[island].down.add(delta, now)
@@ -203,11 +203,11 @@ class LinkWatch:
                 current[key] = (stream, stream.data_bytes, peer)
         self._seen = {k: v for k, v in current.items() if not v[0].done.is_set()}
 
-    def observe(self, state: SyncerState, tracked: Iterable[tuple[Any, Any]], pending: Any,
+    def observe(self, state: Coordinator, tracked: Iterable[tuple[Any, Any]], pending: Any,
                 now: float) -> list[Outgoing]:
         """Every loop iteration: count sent bytes, step times; every ``every_s`` the notices and
         the schedule check.  ``pending(peer)`` is the number of streams queued for a peer."""
-        from diloco.syncer.records import Outgoing
+        from diloco.syncer.core.records import Outgoing
 
         self._count_sent(state, tracked, now)
         for link, isl in zip(self.links, state.islands):
@@ -233,7 +233,7 @@ class LinkWatch:
         return out
 
     @staticmethod
-    def init_bytes(state: SyncerState) -> int:
+    def init_bytes(state: Coordinator) -> int:
         """fp32 bytes of INIT received so far (whole fragments once initialised)."""
         total = 0
         part = state.config.part_elems * 4
@@ -244,7 +244,7 @@ class LinkWatch:
             total += whole if frag.initialised else min(whole, frag.init_next_part * part)
         return total
 
-    def _check_schedule(self, state: SyncerState) -> None:
+    def _check_schedule(self, state: Coordinator) -> None:
         """Warn once per change of verdict, while training, when a link cannot carry the rounds."""
         if state.phase != "running" or not state.initialised:
             return

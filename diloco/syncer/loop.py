@@ -1,9 +1,9 @@
-"""The syncer's control loop: a pyzmq ROUTER socket around the pure ``SyncerState``.
+"""The syncer's control loop: a pyzmq ROUTER socket around the pure core (``core.Coordinator``).
 
 One thread, the **control plane**, does only work whose cost does not grow with
 bytes, in this order per iteration: poll (the socket and the data plane's wake-up
 pipe), take finished data-plane results, open a bounded batch of messages (MAC
-and header only: ``wire.open_message``) and feed them to the state machine,
+and header only: ``wire.open_message``) and feed them to the core,
 ``tick``, hand new payload work to the **data plane** (``dataplane.py``), start a
 checkpoint if one fell due, send control messages, and top up the paced part
 streams (``wire.pacing``).  So a heartbeat is answered within milliseconds while
@@ -12,7 +12,7 @@ a round of several GB is folded, merged and encoded on the worker threads.
 Back-pressure: when the data plane holds more than ``max_backlog_bytes`` of
 received parts, the loop stops reading the socket until it drains (zmq then
 holds at most ``RCVHWM`` messages per island, and TCP throttles the senders), so
-memory stays bounded by the state, not by what islands send.
+memory stays bounded by the core, not by what islands send.
 
 Checkpoints are written on a background thread (``ckptwriter.py``): a loop blocked for the
 minutes a large model takes would answer no heartbeat. The snapshot shares the state's tensors
@@ -26,8 +26,8 @@ checkpoint is in flight; the final one (and the one on SIGTERM) is synchronous.
 Sends never block: the ROUTER uses ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
 peer that is gone (EHOSTUNREACH) or too slow (EAGAIN) loses that message,
 logged, and every other island is served as usual. A lost value stream (BCAST,
-cut, FINAL) or PULL is reported to the state (``SyncerState.on_lost``), which
-resends it once the island is heard from again: nothing the state believes
+cut, FINAL) or PULL is reported to the core (``Coordinator.on_lost``), which
+resends it once the island is heard from again: nothing the core believes
 delivered was dropped by the loop.
 """
 
@@ -47,7 +47,9 @@ import zmq
 
 from diloco.security import ServerCurve
 from diloco.syncer.connguard import ConnCaps
-from diloco.syncer.dataplane import CommitPart, DataPlane, EncodePart, Result, default_threads
+from diloco.syncer.core.coordinator import Coordinator
+from diloco.syncer.core.work import CommitPart, EncodePart, Result
+from diloco.syncer.dataplane import DataPlane, default_threads
 from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
@@ -55,8 +57,7 @@ from diloco.syncer.links import LinkWatch
 from diloco.syncer.payloads import payload_source
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
-from diloco.syncer.records import Outgoing, OutStream
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core.records import Outgoing, OutStream
 from diloco.syncer.store import CheckpointStore
 from diloco.wire import Bcast, Final, Limits, Pull, WireError, digest_seed, encode, open_message, seal
 from diloco.wire.pacing import Pacer, Stream
@@ -111,10 +112,10 @@ class LoopOptions:
 
 
 class SyncerLoop:
-    """Serve one ``SyncerState`` on a ROUTER socket until it finishes or is stopped.
+    """Serve one :class:`Coordinator` on a ROUTER socket until it finishes or is stopped.
 
     Args:
-        state: the state machine (fresh or resumed).
+        state: the core (fresh or resumed).
         options: socket settings.
         store: checkpoint store, or None to run without checkpoints.
         context: zmq context (a private one by default).
@@ -122,7 +123,7 @@ class SyncerLoop:
 
     def __init__(
         self,
-        state: SyncerState,
+        state: Coordinator,
         options: LoopOptions,
         store: CheckpointStore | None = None,
         context: zmq.Context[Any] | None = None,
@@ -150,7 +151,7 @@ class SyncerLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.data = DataPlane(options.data_threads, self._post)
-        self.state.digest_seed = digest_seed(options.key)
+        self.state.use_digest_seed(digest_seed(options.key))
         self._cache = EncodedCache()
         self._pacer = Pacer(options.window, self._send_tracked)
         self._tracked: list[tuple[Stream, OutStream]] = []
@@ -205,8 +206,7 @@ class SyncerLoop:
                 out.extend(self.state.on_result(result, now))
 
     def _submit_work(self) -> None:
-        work, self.state.work = self.state.work, []
-        for w in work:
+        for w in self.state.take_work():
             self.data.submit(w)
 
     # ------------------------------------------------------------------ steps
@@ -235,11 +235,12 @@ class SyncerLoop:
             self.wire_refusals += 1
             log.warning("refused undecodable message from peer %s: %s: %s", peer.hex(), type(e).__name__, e)
             return []
-        self.state.sender_key = user_id(frames[1]) if self._keyed_ids else ""
-        self.links.on_receive(self.state.peers.get(peer, -1), sum(len(f.buffer) for f in frames[3:]), now,
+        sender_key = user_id(frames[1]) if self._keyed_ids else ""
+        island = self.state.island_of(peer)
+        self.links.on_receive(-1 if island is None else island, sum(len(f.buffer) for f in frames[3:]), now,
                               opened.header)
         try:
-            return self.state.handle(peer, opened, now)
+            return self.state.receive(peer, opened, now, sender_key)
         except Exception:
             # A bug, not a bad message: keep serving the other islands.
             log.exception("internal error handling %s from peer %s", type(opened.header).__name__, peer.hex())
@@ -250,9 +251,9 @@ class SyncerLoop:
         self._reap_writer(wait=wait)
         if not self.state.checkpoint_due or self._writer.busy:
             return  # a due checkpoint waits for the one in flight
-        if any(f.committing for f in self.state.fragments):
+        if self.state.committing():
             return  # snapshot between commits: a commit in flight swaps buffers when it lands
-        self.state.checkpoint_due = False
+        self.state.take_checkpoint()
         if self.store is None or not self.state.initialised:
             return
         self._writer.start(self.state.snapshot())
@@ -266,7 +267,7 @@ class SyncerLoop:
             self.state.release_snapshot()
 
     def _write_events(self) -> None:
-        events, self.state.events = self.state.events, []
+        events = self.state.take_events()
         if self.metrics is not None and events:
             self.metrics.on_events(events)
         if self._events is None or not events:
@@ -347,8 +348,7 @@ class SyncerLoop:
         self._tracked = still
 
     def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
-        superseded, self.state.superseded = self.state.superseded, []
-        for peer in superseded:  # a new HELLO of the island: its old connection's cut and streams end
+        for peer in self.state.take_superseded():  # a new HELLO of the island: its old connection's cut and streams end
             self._pacer.drop(peer, "superseded by a new HELLO of its island")
         for o in outgoing:
             if self._fault(o):
@@ -414,7 +414,7 @@ class SyncerLoop:
                     log.warning("stopped: writing a checkpoint and exiting")
                     self._drain_commits()
                     self._reap_writer(wait=True)
-                    self.state.checkpoint_due = True
+                    self.state.request_checkpoint()
                     self._checkpoint_if_due(wait=True)
                     return EXIT_INTERRUPTED
                 if self.reload_keys.is_set() and self.auth is not None:
@@ -465,7 +465,7 @@ class SyncerLoop:
     def _drain_commits(self, timeout_s: float = 60.0) -> None:
         """Let a commit in flight land before the last checkpoint (its buffers swap when it does)."""
         deadline = time.monotonic() + timeout_s
-        while any(f.committing for f in self.state.fragments) and time.monotonic() < deadline:
+        while self.state.committing() and time.monotonic() < deadline:
             time.sleep(0.01)
             self._take_results(time.monotonic())
             self._submit_work()

@@ -6,10 +6,10 @@
 * the **control loop** calls :meth:`SyncerMetrics.on_events` with the events it writes to the
   event log (so the counters are views of the event log, and match it line for line) and
   :meth:`SyncerMetrics.tick` once per iteration: a clock store, plus, every
-  ``snapshot_every_s`` (0.5 s), one :class:`MetricsSnapshot` built from the state's own
-  records: O(islands + open rounds + fragments), nothing that grows with bytes;
+  ``snapshot_every_s`` (0.5 s), one :class:`MetricsSnapshot` built from the core's gauges
+  (``Coordinator.gauges``): O(islands + open rounds + fragments), nothing that grows with bytes;
 * the **HTTP thread** only reads the latest snapshot (one reference, swapped whole) and the
-  clock of the last tick, so it never touches the state and never takes a lock the loop waits on.
+  clock of the last tick, so it never touches the core and never takes a lock the loop waits on.
 
 Definitions (the tests pin these against the event log):
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from diloco.syncer.dataplane import DataPlane
-    from diloco.syncer.state import SyncerState
+    from diloco.syncer.core.coordinator import Coordinator
 
 COMMIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (s) of the commit-latency histogram (plus +Inf)."""
@@ -49,12 +49,12 @@ SNAPSHOT_EVERY_S = 0.5
 
 class LoopView(Protocol):
     """What a snapshot reads of the control loop (``diloco.syncer.loop.SyncerLoop`` is one), on the
-    loop's own thread: its state, its data plane's backlog and its send/refusal counters. The
+    loop's own thread: its core (``state``), its data plane's backlog and its send/refusal counters. The
     optional ``listener`` (with a connection ``guard``) and ``bytes_in`` / ``bytes_out`` are read
     with ``getattr`` and count as absent/0 when missing."""
 
     @property
-    def state(self) -> SyncerState: ...
+    def state(self) -> Coordinator: ...
     @property
     def data(self) -> DataPlane: ...
     @property
@@ -93,9 +93,9 @@ class MetricsSnapshot:
     versions_published: int
     islands: tuple[IslandView, ...]
     refusals: dict[str, int]
-    """Refusals by reason: the state's codes, plus ``wire`` (undecodable or unauthenticated)."""
+    """Refusals by reason: the core's codes, plus ``wire`` (undecodable or unauthenticated)."""
     clipped: dict[str, int]
-    """Pushes clipped by reason (when the state keeps ``clipped_by``; empty otherwise)."""
+    """Pushes clipped by reason (the core keeps no such count: always empty; kept for the scrape's shape)."""
     bytes_in: int
     bytes_out: int
     commit_buckets: tuple[int, ...]
@@ -216,18 +216,16 @@ class SyncerMetrics:
     # ------------------------------------------------------------------ snapshot
 
     def _take(self, loop: LoopView, now: float) -> MetricsSnapshot:
-        state = loop.state
+        g = loop.state.gauges(now)
         c = self._commits
-        rounds = list(state.rounds.values())
         views = []
-        for isl in state.islands:
+        for isl in g.islands:
             if not 0 <= isl.island < self.islands:
                 continue
-            heard = now - isl.last_seen if isl.joined else None
-            views.append(IslandView(isl.island, bool(isl.bound and isl.alive), heard,
+            views.append(IslandView(isl.island, isl.live, isl.heard_age_s,
                                     c.changed - self._merged_at[isl.island], self._merged[isl.island],
                                     self._empty[isl.island]))
-        refusals = dict(getattr(state, "refused_by", {}))
+        refusals = dict(g.refused_by)
         if loop.wire_refusals:
             refusals["wire"] = loop.wire_refusals
         guard = getattr(getattr(loop, "listener", None), "guard", None)
@@ -236,37 +234,18 @@ class SyncerMetrics:
             running += n
             cumulative.append(running)
         return MetricsSnapshot(
-            taken_at=now, phase=state.phase, rounds_committed=c.committed, rounds_changed=c.changed,
-            rounds_failed=c.failed, repulls=c.repulled + sum(r.attempt for r in rounds), open_rounds=len(rounds),
-            oldest_open_round_age_s=max((now - r.attempt_started for r in rounds), default=0.0),
-            versions_published=sum(f.version for f in state.fragments), islands=tuple(views),
-            refusals=refusals, clipped=dict(getattr(state, "clipped_by", {})),
+            taken_at=now, phase=g.phase, rounds_committed=c.committed, rounds_changed=c.changed,
+            rounds_failed=c.failed, repulls=c.repulled + g.open_attempts, open_rounds=g.open_rounds,
+            oldest_open_round_age_s=g.oldest_open_round_age_s,
+            versions_published=g.versions_published, islands=tuple(views),
+            refusals=refusals, clipped={},
             bytes_in=getattr(loop, "bytes_in", 0), bytes_out=getattr(loop, "bytes_out", 0),
             commit_buckets=tuple(cumulative), commit_sum_s=c.latency_sum, commit_count=c.latency_count,
-            resident_bytes=resident_bytes(), buffer_bytes=_buffers(loop),
+            resident_bytes=resident_bytes(), buffer_bytes={**g.buffer_bytes, "backlog": int(loop.data.backlog_bytes)},
             connections_open=len(guard.conns) if guard is not None else 0,
             connections_accepted=guard.accepted if guard is not None else 0,
             connections_refused=dict(guard.refused) if guard is not None else {},
             dropped_sends=loop.dropped_sends, lost_streams=loop.lost_streams)
-
-
-def _buffers(loop: LoopView) -> dict[str, int]:
-    """Bytes of the syncer's model-sized buffers, by kind (each tensor counted once)."""
-    state = loop.state
-    seen: set[int] = set()
-
-    def size(t: Any) -> int:
-        if t is None or t.data_ptr() in seen:
-            return 0
-        seen.add(t.data_ptr())
-        return int(t.numel() * t.element_size())
-
-    value = sum(size(f.value) for f in state.fragments)
-    momentum = sum(size(f.momentum) for f in state.fragments)
-    sums = sum(size(getattr(r.sum, "flat", None)) for r in state.rounds.values() if r.sum is not None)
-    idle = state.pool.idle_bytes
-    return {"value": value, "momentum": momentum, "running_sums": sums,
-            "pool_idle": int(idle() if callable(idle) else idle), "backlog": int(loop.data.backlog_bytes)}
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

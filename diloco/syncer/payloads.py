@@ -18,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from diloco.syncer.dataplane import EncodePart, Work
+from diloco.syncer.core.work import EncodePart, Work
 from diloco.syncer.encoded import EncodedCache
-from diloco.syncer.records import FragmentRecord, OutStream
+from diloco.syncer.core.records import FragmentRecord, OutStream
 from diloco.wire import Payload
 from diloco.wire.parts import FragmentLayout
 

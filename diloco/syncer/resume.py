@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 
 from diloco.syncer.ckptcheck import changed
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.records import Snapshot
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.records import Snapshot
 from diloco.syncer.store import CheckpointStore
 
 log = logging.getLogger("diloco.syncer")

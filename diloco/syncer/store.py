@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 
 from diloco.syncer.ckptcheck import check_settings, checksum, settings_of, verify_tensor
-from diloco.syncer.records import FragmentSnapshot, Snapshot, TensorSpec
+from diloco.syncer.core.records import FragmentSnapshot, Snapshot, TensorSpec
 
 log = logging.getLogger(__name__)
 

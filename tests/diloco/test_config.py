@@ -6,7 +6,7 @@ import pytest
 
 from diloco.config import ConfigError, IslandConfig
 from diloco.syncer.cli import _read_key
-from diloco.syncer.config import ConfigError as SyncerConfigError
+from diloco.syncer.core.config import ConfigError as SyncerConfigError
 
 pytestmark = pytest.mark.timeout(30)
 

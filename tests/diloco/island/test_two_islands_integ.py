@@ -60,6 +60,18 @@ def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:
     assert min(results[0]["versions"]) >= 2
     assert results[0]["digest"] == results[1]["digest"]
 
+    # Memory: every rank holds the anchor of its own slice only (never a whole-model table on the
+    # sync rank), and one snapshot slot of at most one fragment's share of its slice.
+    for r in results:
+        assert len(r["ranks"]) == 2
+        for rank in r["ranks"]:
+            bufs, slice_bytes, model = rank["sync_buffers"], rank["slice_bytes"], rank["model_bytes"]
+            assert bufs["anchors"] <= 1.1 * slice_bytes, (r["layout"], rank)  # rank_anchor_over_slice
+            assert bufs["anchors"] < 0.8 * model, (r["layout"], rank)
+            assert 0 < bufs["snapshot_slots"] <= bufs["anchors"], (r["layout"], rank)
+            if r["layout"] == "tp2":  # a TP rank holds a share of both fragments: one slot is one share
+                assert bufs["snapshot_slots"] <= 0.8 * bufs["anchors"], rank
+
     # Both islands pushed and applied; the step logs say so.
     for i in range(2):
         records = read_steplog(str(tmp_path / f"island{i}.steplog.jsonl"))

@@ -1,11 +1,11 @@
-"""Drive :class:`SyncerState` the way the loop does, without sockets or threads.
+"""Drive the core's :class:`Coordinator` the way the loop does, without sockets or threads.
 
 A test builds headers plus tensors; the driver encodes them with the real wire codec
 (``encode`` then ``open_message``: MAC, header and sizes checked, payload not read),
-hands each opened message to ``state.handle``, runs the payload work the state
+hands each opened message to ``Coordinator.receive``, runs the payload work the core
 queued (``dataplane.run_work``, inline and in dispatch order, which is the order the
 real data plane keeps per part) and feeds every result back through
-``state.on_result`` until no work is left.  Everything the state asked to send is
+``Coordinator.on_result`` until no work is left.  Everything the core asked to send is
 collected in one list, in order.
 
 Also here: the parted messages of INIT and PUSH streams (cut exactly as islands cut
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.dataplane import run_work
-from diloco.syncer.records import Outgoing, OutStream, Snapshot
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core.records import Outgoing, OutStream, Snapshot
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.wire import DEFAULT_CHUNK_BYTES, Error, FragmentLayout, Hello, Init, Opened, Push, Welcome, encode, open_message
 
 Tensors = Sequence[tuple[str, torch.Tensor]]
@@ -32,13 +32,13 @@ Out = Outgoing | OutStream
 
 
 def opened(header: Any, tensors: Tensors = (), nonce: int = 0, seq: int = 0) -> Any:
-    """One message through the real codec: what the loop hands to ``state.handle``."""
+    """One message through the real codec: what the loop hands to ``Coordinator.receive``."""
     return open_message(encode(header, list(tensors), nonce=nonce, seq=seq))
 
 
 def unchecked(header: Any) -> Opened:
     """A tensor-less message the codec would refuse (e.g. a HELLO of another protocol): tests the
-    state machine's own checks, which must hold whatever the loop lets through."""
+    core's own checks, which must hold whatever the loop lets through."""
     return Opened(header, DEFAULT_CHUNK_BYTES, [], [])
 
 
@@ -80,10 +80,10 @@ def push_parts(island: int, generation: int, fragment: int, round_: int, tensors
 
 
 class Driver:
-    """A :class:`SyncerState` plus the loop's work/result plumbing, run inline."""
+    """A :class:`Coordinator` plus the loop's work/result plumbing, run inline."""
 
     def __init__(self, config: SyncerConfig, *, syncer_id: int = 7, snapshot: Snapshot | None = None) -> None:
-        self.st = SyncerState(config, syncer_id=syncer_id, snapshot=snapshot)
+        self.st = Coordinator(config, syncer_id=syncer_id, snapshot=snapshot)
         self.E = config.part_elems
         self.nonces: dict[bytes, int] = {}
         self.seqs: dict[bytes, int] = {}
@@ -94,14 +94,14 @@ class Driver:
             message = opened(header, tensors)
         else:
             message = opened(header, tensors, *self.stamp(peer))
-        out = self.st.handle(peer, message, now)
+        out = self.st.receive(peer, message, now)
         self._learn(out)
         if run:
             out += self.run(now)
         return out
 
     def stamp(self, peer: bytes) -> tuple[int, int]:
-        """(nonce, next seq) of the session the state opened for ``peer`` (0, 1.. if none)."""
+        """(nonce, next seq) of the session the core opened for ``peer`` (0, 1.. if none)."""
         self.seqs[peer] = self.seqs.get(peer, 0) + 1
         return self.nonces.get(peer, 0), self.seqs[peer]
 
@@ -111,7 +111,7 @@ class Driver:
                 self.nonces[o.peer] = o.header.nonce
 
     def handle(self, peer: bytes, message: Opened, now: float = 0.0) -> list[Out]:
-        out = self.st.handle(peer, message, now)
+        out = self.st.receive(peer, message, now)
         self._learn(out)
         return out + self.run(now)
 
@@ -124,8 +124,7 @@ class Driver:
     def run(self, now: float) -> list[Out]:
         """Run queued work until none is left (results may queue more: a commit after the last fold)."""
         out: list[Out] = []
-        while self.st.work:
-            work, self.st.work = self.st.work, []
+        while work := self.st.take_work():
             for w in work:
                 out += self.st.on_result(run_work(w), now)
         return out
@@ -148,7 +147,7 @@ def errors(out: Sequence[Out]) -> list[str]:
 
 
 def streams(out: Sequence[Out], kind: str = "BCAST") -> list[OutStream]:
-    """Fragment streams (``"BCAST"`` or ``"FINAL"``) the state asked the loop to send."""
+    """Fragment streams (``"BCAST"`` or ``"FINAL"``) the core asked the loop to send."""
     return [o for o in out if isinstance(o, OutStream) and o.kind == kind]
 
 

@@ -14,7 +14,7 @@ import xxhash
 
 from diloco.syncer.cli import EXIT_CONFIG, main
 from diloco.syncer.resume import ResumeError, choose
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.store import CheckpointStore
 
 from state_driver import bitwise  # noqa: E402
@@ -23,7 +23,7 @@ from test_state import CFG, open_round1, peer, pushes, started  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 
-def two_checkpoints(tmp_path: Path) -> tuple[CheckpointStore, Path, Path, SyncerState]:
+def two_checkpoints(tmp_path: Path) -> tuple[CheckpointStore, Path, Path, Coordinator]:
     """ckpt 1 at versions (0, 0), ckpt 2 after round 1 committed (1, 0)."""
     d = started()
     store = CheckpointStore(tmp_path)
@@ -57,7 +57,7 @@ def test_a_flipped_bit_falls_back_to_the_previous_checkpoint_naming_file_and_why
     assert [p for p, _why in store.skipped] == [second] and "checksum" in store.skipped[0][1]
     assert f"{second}" in caplog.text and "falling back to" in caplog.text and str(first) in caplog.text
     # The fallback is the genuine earlier state, bit for bit.
-    resumed = SyncerState(CFG, snapshot=snap)
+    resumed = Coordinator(CFG, snapshot=snap)
     assert resumed.versions() == (0, 0)
 
 

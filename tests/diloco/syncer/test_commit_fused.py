@@ -8,7 +8,7 @@ import torch
 
 from diloco.outer import OuterHyper
 from diloco.syncer.dataplane import CommitPart, RoundSum, encode_part_payload, run_work
-from diloco.syncer.kernels import Scratch, outer_step
+from diloco.syncer.core.kernels import Scratch, outer_step
 from diloco.wire import FragmentLayout
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from diloco.digest import tensor_digest
-from diloco.syncer.records import OutStream
+from diloco.syncer.core.records import OutStream
 from diloco.wire import Error, FinalAck, Pull, Shutdown
 
 from state_driver import Driver, bitwise, errors, of, streams  # noqa: E402

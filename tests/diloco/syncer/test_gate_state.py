@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from diloco.syncer.admission import HELLOS_REMEMBERED
+from diloco.syncer.core.sessions import HELLOS_REMEMBERED
 
 from state_driver import Driver, errors, streams  # noqa: E402
 from test_state import CFG, GEN, hello, inits, peer  # noqa: E402
@@ -21,9 +21,9 @@ def test_a_new_hello_supersedes_the_old_connection_and_its_cut() -> None:
         d.send(peer(i), msgspec.structs.replace(hello(i, GEN[i]), instance=10 + i), now=0.0)
     out = d.send_all(peer(0), inits(0) + inits(1), 0.0)
     assert {o.peer for o in streams(out)} == {peer(0), peer(1), peer(2)}  # every island's cut
-    d.st.superseded.clear()
+    d.st.sessions.superseded.clear()
     out = d.send(b"redial-1", msgspec.structs.replace(hello(1, 999), instance=11), now=1.0)
-    assert not errors(out) and d.st.superseded == [peer(1)]  # the loop drops the old cut stream
+    assert not errors(out) and d.st.sessions.superseded == [peer(1)]  # the loop drops the old cut stream
     assert [o.peer for o in streams(out)] == [b"redial-1", b"redial-1"]  # one new cut, to the new connection
 
 
@@ -33,9 +33,9 @@ def test_replay_memory_is_fixed_size_under_a_hello_flood() -> None:
     for k in range(n):  # one process redialing again and again (a fresh routing id each time)
         out = d.send(b"p%d" % k, msgspec.structs.replace(hello(1, 1000 + k), instance=7), now=float(k))
         assert not errors(out)
-        d.st.superseded.clear()
-    assert len(d.st.hellos_seen) <= HELLOS_REMEMBERED * CFG.islands
+        d.st.sessions.superseded.clear()
+    assert len(d.st.sessions.hellos_seen) <= HELLOS_REMEMBERED * CFG.islands
     assert len(d.st.islands[1].retired_generations) <= HELLOS_REMEMBERED
-    assert len(d.st.peers) == 1 and d.st.islands[1].generation == 1000 + n - 1
+    assert len(d.st.sessions.peers) == 1 and d.st.islands[1].generation == 1000 + n - 1
     # A recent HELLO replayed is still dropped, answered with nothing.
     assert d.send(b"replayer", msgspec.structs.replace(hello(1, 1000 + n - 2), instance=7), now=float(n)) == []

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco import quant
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 from diloco.wire import PROTOCOL_VERSION, FragmentLayout, Heartbeat, Hello, Push
 from state_driver import Driver, errors, init_parts, streams
 

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from diloco.syncer import rounds as round_rules
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core import roundbook as round_rules
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.store import CheckpointStore
 
 import test_parts_state as one  # one fragment, momentum 0.9, three islands, quorum 2
@@ -39,7 +39,7 @@ def test_a_round_waits_while_a_superseded_value_is_held(monkeypatch) -> None:
     # part not yet sent, a checkpoint) reads exactly version 0 while version 1 is made.
     assert torch.equal(held, held_bytes)
     # value 1 + the held value 0 fill the budget (value + one sum): round 2 waits for the held one.
-    assert d.st.book.live_bytes == 2 * frag_bytes == d.st.book.limit_bytes(d.st.fragments)
+    assert d.st.book.live_bytes == 2 * frag_bytes == d.st.book.limit_bytes()
     _round_ready(d, 2, now=2.0)
     assert 2 not in d.st.rounds
     del held  # the stream finished: its buffer is freed, and the round opens at once
@@ -78,7 +78,7 @@ def test_the_checkpoint_writer_lets_go_of_each_fragment_once_written(tmp_path) -
         d.st.unpin({idx})
 
     path = CheckpointStore(tmp_path).save(head, frags, on_written)
-    assert seen == [0, 1] and d.st.pinned == set()
+    assert seen == [0, 1] and d.st.book.pinned == set()
     loaded = CheckpointStore(tmp_path).load(path)
     assert all(torch.equal(f.value, v) for f, v in zip(loaded.fragments, values))
     assert [f.version for f in loaded.fragments] == list(d.st.versions())
@@ -105,7 +105,7 @@ def test_a_resumed_state_knows_its_magnitudes_so_its_first_commit_updates_moment
     assert d.st.versions() == (1,) and d.st.fragments[0].momentum is not None
     store = CheckpointStore(tmp_path)
     snap = store.load(store.save(d.st.snapshot()))
-    st = SyncerState(d.st.config, snapshot=snap)
+    st = Coordinator(d.st.config, snapshot=snap)
     f = st.fragments[0]
     E = st.config.part_elems
     for k in range(f.layout.n_parts(E)):

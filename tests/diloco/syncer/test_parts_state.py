@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.syncer.config import SyncerConfig
+from diloco.syncer.core.config import SyncerConfig
 from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, encode, open_message
 
 from state_driver import Driver, bitwise, errors, flat, init_parts, of, push_parts, reference_commit, streams
@@ -38,7 +38,7 @@ SCHEMA = [("a", (5000,)), ("b", (3, 4096)), ("c", (7,)), ("d", (10000,))]
 NUMEL = 27295
 N_PARTS = 7
 GEN = [10, 20, 30]
-LOGGER = "diloco.syncer.state"
+LOGGER = "diloco.syncer.core"
 
 
 def peer(i: int) -> bytes:
@@ -117,8 +117,8 @@ def fingerprint(d: Driver) -> dict[str, Any]:
             None if r.sum is None else list(r.sum.started),
         )
     return {
-        "versions": st.versions(), "next_open": st.next_open, "next_commit": st.next_commit, "rounds": rounds,
-        "events": len(st.events), "work": len(st.work),
+        "versions": st.versions(), "next_open": st.roundbook.next_open, "next_commit": st.roundbook.next_commit, "rounds": rounds,
+        "events": len(st.events), "work": len(st.journal.work),
         "last_seen": [i.last_seen for i in st.islands],
     }
 
@@ -300,10 +300,10 @@ def test_refused_part_voids_the_attempt_and_repulls(fault: str, caplog) -> None:
     old_sum = d.st.rounds[1].sum
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         # The part passes the control plane; its later parts are queued behind it.
-        out = d.st.handle(peer(1), msg, 1.0)
+        out = d.st.receive(peer(1), msg, 1.0)
         for h, s in p1[3:]:
             out += d.send(peer(1), h, s, now=1.0, run=False)
-        assert not errors(out) and len(d.st.work) == N_PARTS - 2
+        assert not errors(out) and len(d.st.journal.work) == N_PARTS - 2
         out += d.run(1.0)
     assert errors(out) == ["bad_push"] and of(out, Error)[0].peer == peer(1)
     assert ("NaN" if fault == "nan" else "digest") in of(out, Error)[0].header.reason
@@ -419,7 +419,7 @@ def test_rounds_follow_the_slower_island_then_one_flush_round_per_fragment(total
     out = heartbeat(1, 8, 4.0)
     assert {o.header.round for o in of(out, Pull)} == {4}
     push_round(4, 1, {0: 0, 1: 4}, 4.0)
-    assert d.st.versions() == (2, 2) and d.st.flush_left is None
+    assert d.st.versions() == (2, 2) and d.st.final.flush_left is None
     # Island 1 at step 9: round 5 would need step 10, so no training round; both finished: flush.
     out = heartbeat(1, 9, 5.0, done=not total_steps)
     assert not streams(out, "FINAL")
@@ -557,6 +557,6 @@ def test_a_cut_carries_the_last_committed_round_also_after_resume() -> None:
     snap = d.st.snapshot()
     d.st.release_snapshot()
     resumed = Driver(cfg, snapshot=snap)
-    assert resumed.st.fragments[0].round == 1 and resumed.st.next_open == 2
+    assert resumed.st.fragments[0].round == 1 and resumed.st.roundbook.next_open == 2
     out = resumed.send(peer(0), hello(0, numel=(NUMEL,)), now=0.0)
     assert [(o.cut, o.round) for o in streams(out)] == [(True, 1)]

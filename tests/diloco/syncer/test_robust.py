@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from diloco.syncer.gate import Gate, read_allow_list
-from diloco.syncer.robust import (PartBound, Reference, cap_weight, check_chunk, clamp_counts, finish_part, overflow_safe,
-                                  unjudged_excess)
+from diloco.syncer.allowlist import read_allow_list
+from diloco.syncer.core.gate import Gate
+from diloco.syncer.core.robust import (PartBound, Reference, cap_weight, check_chunk, clamp_counts, finish_part,
+                                       overflow_safe, unjudged_excess)
 from diloco.wire import WireError
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.syncer import commit as commit_rules
-from diloco.syncer.config import ConfigError, SyncerConfig
-from diloco.syncer.state import SyncerState
+from diloco.syncer.core import merge as commit_rules
+from diloco.syncer.core.config import ConfigError, SyncerConfig
+from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.store import FORMAT, CheckpointStore
 from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, Welcome
 
@@ -187,7 +187,7 @@ def test_init_schema_and_finiteness_checked(caplog) -> None:
     bad = init_values(0)
     bad[1] = ("b", bad[1][1].clone())
     bad[1][1][1, 4099] = float("nan")  # in the last part
-    with caplog.at_level(logging.WARNING, logger="diloco.syncer.state"):
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer.core"):
         out = d.send_all(peer(0), inits(0, values=bad))
     assert errors(out) == ["bad_init"] and [o.peer for o in of(out, Error)] == [peer(0)]
     assert "NaN" in caplog.text and not d.st.fragments[0].initialised and d.st.fragments[0].value is None
@@ -221,7 +221,7 @@ def test_rounds_open_by_the_kth_fastest_island_and_pull_members() -> None:
     # The 2nd fastest at step 6 opens round 2 (fragment 1) but not round 3 (fragment 0 still open).
     out = d.send(peer(0), hb(0, 6), now=1.0)
     assert {o.header for o in of(out, Pull)} == {Pull(fragment=1, round=2, attempt=0)}
-    assert sorted(d.st.rounds) == [1, 2] and d.st.next_open == 3
+    assert sorted(d.st.rounds) == [1, 2] and d.st.roundbook.next_open == 3
 
 
 def test_push_validation_refuses_without_state_change() -> None:
@@ -303,7 +303,7 @@ def test_weights_equal_steps_and_zero_steps() -> None:
     out = []
     for i in range(3):
         out += d.send_all(peer(i), pushes(i, 1, 0, steps=0, tokens=0), now=1.0)
-    assert d.st.fragments[0].version == 0 and d.st.next_commit == 2 and bitwise(value(d, 0), v0)
+    assert d.st.fragments[0].version == 0 and d.st.roundbook.next_commit == 2 and bitwise(value(d, 0), v0)
     assert not streams(out) and d.st.events[-1]["changed"] is False and d.st.events[-1]["fold_order"] == []
     assert d.st.merged_summary() == {"scheduled_rounds": 0, "committed_rounds": 1, "changed_in_training": 0,
                                      "changed_in_flush": 0}
@@ -412,7 +412,7 @@ def test_resume_from_checkpoint_round_trip(tmp_path) -> None:
     assert found is not None and found[0] == path
     d2 = Driver(CFG, syncer_id=8, snapshot=found[1])
     st2 = d2.st
-    assert st2.versions() == (1, 0) and st2.next_open == 2 and st2.fingerprint == FP and st2.initialised
+    assert st2.versions() == (1, 0) and st2.roundbook.next_open == 2 and st2.fingerprint == FP and st2.initialised
     for f in range(2):
         assert bitwise(st.fragments[f].value, st2.fragments[f].value)
         assert bitwise(momentum(d, f), st2.fragments[f].momentum)  # zeros where no commit allocated one
@@ -483,7 +483,7 @@ def test_finalization_after_flush_rounds_acks_then_shutdown_and_timeout() -> Non
 
 def test_refusal_is_logged_one_line(caplog) -> None:
     d = started()
-    with caplog.at_level(logging.WARNING, logger="diloco.syncer.state"):
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer.core"):
         d.send(peer(1), *pushes(1, 9, 0)[0], now=1.0)
     assert len(caplog.records) == 1 and "unknown_round" in caplog.text and "round 9" in caplog.text
 
@@ -554,7 +554,7 @@ def test_snapshot_stays_consistent_while_fragments_commit(monkeypatch) -> None:
         d.send_all(peer(i), pushes(i, 4, 1, base=1), now=9.0)
     assert st.versions() == (2, 2) and st.fragments[1].momentum is not mom
     assert torch.equal(held.momentum, held_at)
-    assert st.book.live_bytes <= st.book.limit_bytes(st.fragments)
+    assert st.book.live_bytes <= st.book.limit_bytes()
 
 
 def test_finalization_waits_for_islands_that_never_joined() -> None:
@@ -568,7 +568,7 @@ def test_finalization_waits_for_islands_that_never_joined() -> None:
     for i in range(2):  # the flush rounds (nothing left to merge)
         for r, f in ((1, 0), (2, 1)):
             d.send_all(peer(i), pushes(i, r, f, steps=0), now=1.0)
-    assert not d.st.rounds and d.st.flush_left == set()
+    assert not d.st.rounds and d.st.final.flush_left == set()
     assert d.st.phase == "running" and not streams(d.tick(10.0), "FINAL")  # island 2 has not joined yet
     out = d.send(peer(2), hello(2, GEN[2]), now=11.0)
     assert streams(out)  # it gets its cut and joins the run
@@ -589,7 +589,7 @@ def test_finalization_waits_for_islands_that_never_joined() -> None:
 
 
 def test_state_without_fragments_refuses_checkpoint() -> None:
-    st = SyncerState(CFG, syncer_id=7)
+    st = Coordinator(CFG, syncer_id=7)
     with pytest.raises(RuntimeError):
         st.snapshot()
     assert isinstance(Driver(CFG).send(peer(0), hello(0, 1))[0].header, Welcome)

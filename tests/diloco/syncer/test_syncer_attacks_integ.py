@@ -66,6 +66,7 @@ def test_a_lying_island_cannot_move_the_merged_value_beyond_the_honest_range(tmp
             assert "i1:capped" in last_status(s.syncer)
         else:
             s.a.send(push_header(s.a, tokens=100), tensors(honest))
+            time.sleep(0.3)  # the honest push is seen first: the liar is capped when it is folded
         if attack == "tokens-first":
             pass
         elif attack == "tokens":

@@ -1,7 +1,7 @@
 """Syncer configuration: one frozen, validated object per syncer process.
 
 Built by the CLI from flags (``diloco.syncer.cli``) or directly by tests; the
-state machine and the loop receive it and never read flags or the environment.
+core and the loop receive it and never read flags or the environment.
 A bad value fails here, at start, with a message naming the flag.
 """
 

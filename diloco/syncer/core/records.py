@@ -1,7 +1,8 @@
-"""Plain records the syncer state machine keeps: islands, fragments, rounds, outputs.
+"""Plain records the syncer's core keeps: islands, fragments, rounds, outputs.
 
-Kept apart from ``state.py`` so the transition logic reads as protocol rules and
-these classes read as the data the rules touch. Nothing here does I/O.
+Kept apart from the tables that own them (``sessions.py``, ``book.py``, ``roundbook.py``) so
+the transition logic reads as protocol rules and these classes read as the data the rules
+touch. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class RoundRecord:
     """Clock when the commit of the current attempt started (its event's ``commit_s`` counts from it)."""
     unjudged: bool = False
     """The attempt's first push came before any weight was seen (nothing to cap it against): the
-    weights are judged when the attempt is complete (``RobustRules._refuse_unjudged``)."""
+    weights are judged when the attempt is complete (``robustrules.judge_unjudged``)."""
     pin_wait_since: float | None = None
     """Clock since when the closed round waits for a checkpoint in flight to write its fragment
     (with momentum, the commit updates it in place: ``commit.PIN_WAIT_S``)."""

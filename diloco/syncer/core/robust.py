@@ -1,6 +1,6 @@
 """Robust aggregation rules: one island can only spoil its own share of a round.
 
-Pure rules, used by the state machine when a push's first part arrives and by the data plane
+Pure rules, used by the core (``robustrules.py``) when a push's first part arrives and by the data plane
 when a part is folded; tested with plain values.
 
 * **Counts are clamped** (:func:`clamp_counts`): a push's local steps to

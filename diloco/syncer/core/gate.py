@@ -1,6 +1,6 @@
 """Who may claim an island id, and how often anyone may say HELLO: the syncer's admission gate.
 
-Pure rules, no I/O, used by ``admission.py`` (a HELLO is checked against them before any state
+Pure rules, no I/O, used by ``sessions.py`` (a HELLO is checked against them before any state
 changes) and tested with plain values:
 
 * **Keys own island ids** (Curve mode, where every message carries the client's
@@ -19,42 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from pathlib import Path
 
-from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
 MAX_SENDERS = 4096
 """Senders whose HELLO budget is remembered (fixed memory under a flood)."""
-
-
-def read_allow_list(path: str, islands: int) -> dict[int, str]:
-    """``ID = KEY`` lines of ``--island-keys`` (``#`` comments); ValueError naming the line."""
-    out: dict[int, str] = {}
-    owners: dict[str, int] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"--island-keys: cannot read {path!r}: {exc}") from exc
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        ident, sep, key = (s.strip() for s in line.partition("="))
-        if not sep or not ident.isdigit() or not 0 <= int(ident) < islands:
-            raise ValueError(f"--island-keys {path}:{n}: expected 'ID = KEY' with ID in [0, {islands}), got {raw!r}")
-        try:
-            ok = len(key) == 40 and len(z85.decode(key.encode())) == 32
-        except (ValueError, KeyError, IndexError):
-            ok = False
-        if not ok:
-            raise ValueError(f"--island-keys {path}:{n}: {key[:48]!r} is not a 40-character Z85 public key")
-        i = int(ident)
-        if i in out or key in owners:
-            raise ValueError(f"--island-keys {path}:{n}: island {i} or its key is listed twice")
-        out[i], owners[key] = key, i
-    return out
 
 
 class Gate:

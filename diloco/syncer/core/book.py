@@ -15,34 +15,37 @@ Beyond these, only parts: received parts held for the data plane (one per worker
 The budget is kept by counting, not by trusting every reader: each buffer counts in
 :attr:`FragmentBook.live_bytes` until the last tensor over it dies, so a superseded value a
 BCAST stream or the checkpoint writer still reads counts too, and the next round opens only
-when its sum fits (``rounds._sum_fits``). Buffers are ``numpy`` arrays of their own (never
+when its sum fits (``RoundBook.sum_fits``). Buffers are ``numpy`` arrays of their own (never
 pooled): above glibc's mmap threshold each is its own mapping, given back to the OS when freed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 
 import numpy as np
 import torch
 
-from diloco.syncer.config import SyncerConfig
-from diloco.syncer.records import FragmentRecord
+from diloco.syncer.core.checks import Refused
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.records import FragmentRecord
 from diloco.wire import HostBufferPool
 
 log = logging.getLogger(__name__)
 
 OVER_BUDGET_WAIT_S = 30.0
-"""Longest a round waits to open for superseded fragment buffers to be let go (``rounds._sum_fits``)."""
+"""Longest a round waits to open for superseded fragment buffers to be let go (``RoundBook.sum_fits``)."""
 
 IDLE_PARTS = 4
 """Idle part-sized buffers the state's pool may keep (``--part-mib`` each); fragment buffers never go there."""
 
 
 class FragmentBook:
-    """Allocates the fragments' value, momentum and sum buffers; says what they cost.
+    """The fragments table (value, momentum, version per fragment, and the layout fingerprint that
+    fixed them); allocates their value, momentum and sum buffers and says what they cost.
 
     Args:
         config: the syncer's settings (momentum, part size, open rounds).
@@ -62,6 +65,92 @@ class FragmentBook:
         the state's own reference)."""
         self.live_buffers = 0
         self.peak_bytes = 0
+        self.fingerprint: str | None = None
+        """Layout fingerprint fixed by the first HELLO (or the checkpoint)."""
+        self.fragments: list[FragmentRecord] = []
+        """One record per fragment of the plan, in fragment order (empty until the layout is fixed)."""
+        self.pinned: set[int] = set()
+        """Fragments an in-flight checkpoint has still to write (``unpin`` as it writes them): a commit
+        with momentum does not update theirs in place."""
+
+    # ------------------------------------------------------------------ the table
+
+    @property
+    def n_fragments(self) -> int:
+        return len(self.fragments)
+
+    @property
+    def initialised(self) -> bool:
+        """Every fragment has its value (INIT copied in, or restored)."""
+        return bool(self.fragments) and all(f.initialised for f in self.fragments)
+
+    def versions(self) -> tuple[int, ...]:
+        """The current version of every fragment, in fragment order."""
+        return tuple(f.version for f in self.fragments)
+
+    def committing(self) -> bool:
+        """Whether a commit is in flight (it swaps a fragment's buffers when it lands)."""
+        return any(f.committing for f in self.fragments)
+
+    def fix_layout(self, fingerprint: str, n_fragments: int) -> None:
+        """The first HELLO fixes the fingerprint and the number of fragments (records without values)."""
+        self.fingerprint = fingerprint
+        self.fragments = [FragmentRecord(index=f) for f in range(n_fragments)]
+
+    def adopt_table(self, fingerprint: str, fragments: list[FragmentRecord]) -> None:
+        """Take a resumed run's fingerprint and fragment records (their buffers already adopted)."""
+        self.fingerprint = fingerprint
+        self.fragments = fragments
+        if self.initialised:
+            self.log_budget()
+
+    def pin_all(self) -> None:
+        """A checkpoint starts reading every fragment: each stays pinned until it is written."""
+        self.pinned = set(range(len(self.fragments)))
+
+    def is_pinned(self, fragment: int) -> bool:
+        """Whether the checkpoint in flight has still to write ``fragment``."""
+        return fragment in self.pinned
+
+    def unpin(self, fragments: set[int]) -> None:
+        """The checkpoint in flight has written (and let go of) these fragments."""
+        self.pinned -= fragments
+
+    def unpin_all(self) -> None:
+        """The checkpoint in flight is written: no fragment is pinned."""
+        self.pinned.clear()
+
+    def check_plan(self, fingerprint: str, n_fragments: int, fragment_numel: tuple[int, ...]) -> None:
+        """Refuse a HELLO whose plan is not this run's (fingerprint, fragment count, fragment sizes) or
+        whose fragments exceed what this syncer accepts (the refusal names the fix)."""
+        if self.fingerprint is not None:
+            if fingerprint != self.fingerprint:
+                raise Refused(
+                    "fingerprint_mismatch",
+                    f"layout fingerprint {fingerprint[:64]} != syncer's {self.fingerprint[:64]}",
+                )
+            if n_fragments != self.n_fragments:
+                raise Refused("fragments_mismatch", f"n_fragments {n_fragments} != syncer's {self.n_fragments}")
+        if not fragment_numel:
+            return
+        if len(fragment_numel) != n_fragments or any(n <= 0 for n in fragment_numel):
+            raise Refused("bad_fragments", f"{len(fragment_numel)} fragment sizes for {n_fragments} fragments")
+        limit = self.config.max_fragment_bytes
+        biggest = max(fragment_numel) * 4
+        if biggest > limit:
+            need = math.ceil(sum(fragment_numel) * 4 / limit)
+            raise Refused(
+                "fragment_too_large",
+                f"a fragment holds {biggest / 2**30:.2f} GiB of fp32, this syncer accepts at most "
+                f"{limit / 2**30:.2f} GiB per fragment (--max-fragment-gib): use more fragments "
+                f"(YETO_DILOCO_FRAGMENTS >= {max(need, n_fragments + 1)}) or raise --max-fragment-gib",
+            )
+        if self.fragments and all(f.layout is not None for f in self.fragments):
+            have = tuple(f.layout.numel for f in self.fragments if f.layout is not None)
+            if have != tuple(fragment_numel):
+                raise Refused("fragments_mismatch", f"fragment sizes {list(fragment_numel)[:8]} != {list(have)[:8]}")
+
+    # ------------------------------------------------------------------ buffers
 
     def fresh(self, numel: int, what: str = "") -> torch.Tensor:
         """An uninitialised flat fp32 buffer of ``numel`` elements (a value or a sum), never pooled:
@@ -104,8 +193,9 @@ class FragmentBook:
         frag.momentum_absmax = [0.0] * len(frag.value_absmax)
         log.info("fragment %d: momentum allocated (%.1f MiB, zero)", frag.index, frag.layout.numel * 4 / 2**20)
 
-    def budget(self, fragments: list[FragmentRecord]) -> dict[str, int]:
+    def budget(self) -> dict[str, int]:
         """Bytes each buffer kind may hold at most, for the fragments of this run."""
+        fragments = self.fragments
         sizes = [f.layout.numel * 4 for f in fragments if f.layout is not None]
         largest = max(sizes, default=0)
         momentum = sum(sizes) if self.config.outer_momentum > 0 else 0
@@ -115,16 +205,17 @@ class FragmentBook:
             "sums": min(self.config.max_open_rounds, len(sizes)) * largest,
         }
 
-    def limit_bytes(self, fragments: list[FragmentRecord]) -> int:
+    def limit_bytes(self) -> int:
         """Most bytes of fragment-sized buffers alive at once: values, momentum, ``--max-open-rounds`` sums."""
-        return sum(self.budget(fragments).values())
+        return sum(self.budget().values())
 
-    def log_budget(self, fragments: list[FragmentRecord]) -> None:
+    def log_budget(self) -> None:
         """Log each buffer kind with its size, once every fragment's size is known."""
+        fragments = self.fragments
         if self._logged or not fragments or any(f.layout is None for f in fragments):
             return
         self._logged = True
-        b = self.budget(fragments)
+        b = self.budget()
         log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d); "
                  "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 1 per data-plane worker held "
                  "at once)", b["values"] / 2**20, b["momentum"] / 2**20,

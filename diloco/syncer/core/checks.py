@@ -1,7 +1,7 @@
-"""Validation helpers of the syncer state machine: the refusal value and schema checks.
+"""Validation helpers of the syncer's core: the refusal value and schema checks.
 
-Separate from ``state.py`` so the rules there read as protocol transitions. A
-check raises :class:`Refused` before any state is touched; the state machine
+Separate from the rules (``admission.py``, ``pushes.py``...) so those read as protocol
+transitions. A check raises :class:`Refused` before any state is touched; the coordinator
 turns it into one log line and an ERROR to the sender.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from diloco.syncer.records import TensorSpec
+from diloco.syncer.core.records import TensorSpec
 
 __all__ = ["Dropped", "Refused", "check_schema"]
 

@@ -1,0 +1,1 @@
+"""The syncer's core: the protocol's rules with no I/O (events in, effects out)."""

@@ -1,0 +1,167 @@
+"""Admission to the syncer's core: HELLO and the INIT stream (docs/PROTOCOL.md, "Handshake",
+"Sessions and replays", "Initial cut").
+
+A HELLO is checked against the protocol and the session rules (``Sessions``), the layout fixed
+by the first island (``FragmentBook``), the phase (``Finalize``), a live process already bound
+to the island id and the key that owns it; every check runs before anything changes. The INIT
+stream (island 0 only) gives every fragment its first value, copied in by the data plane.
+
+:class:`Admission` owns no table: it applies these rules through the tables it is handed. No I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from diloco.syncer.core.book import FragmentBook
+from diloco.syncer.core.checks import Refused, check_schema
+from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.core.effects import Journal, Out, final
+from diloco.syncer.core.finalize import Finalize
+from diloco.syncer.core.records import Outgoing
+from diloco.syncer.core.recovery import Recovery
+from diloco.syncer.core.roundbook import RoundBook
+from diloco.syncer.core.sessions import Sessions
+from diloco.syncer.core.work import InitPart, Result
+from diloco.wire import PROTOCOL_VERSION, Error, FragmentLayout, Hello, Init, Opened, Welcome
+
+log = logging.getLogger("diloco.syncer.core")
+
+
+class Admission:
+    """HELLO and INIT.
+
+    Args:
+        config: the syncer's settings (WELCOME repeats the round settings).
+        syncer_id: this syncer process's id (WELCOME; islands redial when it changes).
+        sessions, book, rounds, final: the tables a HELLO and an INIT are checked against and change.
+        recovery: restarts an attempt a reconnecting island left half-pushed.
+        journal: where INIT copies are queued and refusals counted.
+    """
+
+    def __init__(self, config: SyncerConfig, syncer_id: int, sessions: Sessions, book: FragmentBook,
+                 rounds: RoundBook, final: Finalize, recovery: Recovery, journal: Journal) -> None:
+        self.config = config
+        self.syncer_id = syncer_id
+        self.sessions = sessions
+        self.book = book
+        self.rounds = rounds
+        self.final = final
+        self.recovery = recovery
+        self.journal = journal
+
+    def on_hello(self, peer: bytes, h: Hello, msg: Opened, now: float, sender_key: str, out: list[Out]) -> None:
+        """Admit ``h`` from ``peer`` (``sender_key``: its Curve key, empty outside Curve mode): WELCOME
+        opens a session; a redial while finalizing gets the final cut again."""
+        cfg = self.config
+        self.sessions.check_hello(peer, h, msg, now, sender_key)
+        self.book.check_plan(h.fingerprint, h.n_fragments, tuple(h.fragment_numel))
+        if self.final.finished:
+            raise Refused("finished", "the syncer has finished")
+        self.sessions.check_owner(peer, h, now, sender_key)
+
+        # --- accepted: mutate from here on
+        self.sessions.accept_hello(h, sender_key)
+        if self.book.fingerprint is None:
+            self.book.fix_layout(h.fingerprint, h.n_fragments)
+            log.info("layout fixed by island %d: fingerprint %s, %d fragments", h.island, h.fingerprint, h.n_fragments)
+        if self.sessions.retire(h):
+            # A push the old connection left half-sent is in the running sum and its last parts
+            # will never come: drop that attempt now (not after --dead-after-s) and pull again;
+            # the reconnected island is pulled after its cut.
+            for r in self.rounds.in_order():
+                p = r.pushes.get(h.island)
+                if p is not None and not p.complete and not r.closed:
+                    self.recovery.restart_attempt(r, now, out, f"island {h.island} reconnected mid-push")
+                    r.members = r.members | {h.island}
+        rec = self.sessions.bind(peer, h, now)
+        need_init = h.island == 0 and not self.book.initialised
+        out.append(
+            Outgoing(
+                peer,
+                Welcome(
+                    protocol=PROTOCOL_VERSION,
+                    syncer_id=self.syncer_id,
+                    need_init=need_init,
+                    versions=self.book.versions(),
+                    sync_every=cfg.sync_every,
+                    total_steps=cfg.total_steps,
+                    part_elems=cfg.part_elems,
+                    generation=h.generation,
+                    nonce=rec.nonce,
+                    weighting=cfg.weighting,
+                ),
+            )
+        )
+        if self.final.phase == "final":
+            # A redial during finalization: the island may have lost the final cut (or its ack).
+            log.info("island %d rejoined while finalizing: FINAL again", h.island)
+            rec.final_digests = ()
+            out.extend(final(rec, frag, self.book.versions()) for frag in self.book.fragments)
+
+    def on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
+        """Take one INIT part of island 0 (in order; part 0 carries the schema and restarts the stream)."""
+        rec = self.sessions.session(h.island, h.generation, peer, msg)
+        n_fragments = self.book.n_fragments
+        if h.island != 0:
+            raise Refused("init_not_island0", f"INIT from island {h.island}; only island 0 initialises")
+        if h.n_fragments != n_fragments:
+            raise Refused("fragments_mismatch", f"n_fragments {h.n_fragments} != {n_fragments}")
+        if not 0 <= h.fragment < n_fragments:
+            raise Refused("unknown_fragment", f"fragment {h.fragment} outside [0, {n_fragments})")
+        frag = self.book.fragments[h.fragment]
+        if frag.initialised:
+            raise Refused("duplicate_init", f"fragment {h.fragment} is already initialised")
+        E = self.config.part_elems
+        if h.part == 0:
+            schema = check_schema(h.schema, self.config.max_fragment_bytes, f"INIT fragment {h.fragment}")
+            layout = FragmentLayout.of([(n, s) for n, _d, s in schema])
+        else:
+            if h.schema:
+                raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")
+            if frag.layout is None or h.part != frag.init_next_part:
+                raise Refused("bad_part", f"INIT part {h.part} of fragment {h.fragment}, expected part "
+                                          f"{frag.init_next_part}")
+            layout = frag.layout
+            schema = frag.schema
+        problem = layout.check_part(msg.metas, h.part, h.n_parts, E, "float32")
+        if problem:
+            raise Refused("bad_part", f"INIT fragment {h.fragment}: {problem}")
+
+        # --- accepted
+        if h.part == 0:
+            # (Re)start of the stream: a redialed island 0 streams INIT again from part 0.
+            frag.schema, frag.layout = schema, layout
+            frag.value = self.book.fresh(layout.numel, "value")
+            frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
+            frag.value_absmax = [float("inf")] * layout.n_parts(E)
+            frag.init_next_part = frag.init_done_parts = 0
+        assert frag.value is not None
+        lo, _hi = layout.part_range(h.part, E)
+        frag.init_next_part += 1
+        self.journal.work.append(InitPart(h.fragment, h.part, lo, msg, frag.value))
+        self.sessions.touch(rec, msg, now)
+
+    def on_init_copied(self, work: InitPart, result: Result, out: list[Out]) -> None:
+        """An INIT part copied in (or refused: island 0 must stream INIT again)."""
+        frag = self.book.fragments[work.fragment]
+        if frag.value is not work.value or frag.initialised:
+            return  # a restarted INIT stream replaced this buffer
+        if result.error:
+            self.journal.refusals += 1
+            log.warning("INIT part %d of fragment %d refused: %s; island 0 must stream INIT again",
+                        work.part, work.fragment, result.error)
+            frag.value = frag.momentum = None
+            frag.init_next_part = frag.init_done_parts = 0
+            out.append(Outgoing(self.sessions.islands[0].peer, Error(code="bad_init", reason=result.error)))
+            return
+        frag.init_done_parts += 1
+        frag.value_absmax[work.part] = result.absmax[0]
+        assert frag.layout is not None
+        if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
+            frag.initialised = True
+            if self.book.initialised:
+                self.book.log_budget()
+            frag.version = 0
+            log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
+                     frag.layout.numel * 4 / 2**20)

@@ -1,0 +1,149 @@
+"""The data plane's work items and their results: what the core asks the workers to do.
+
+The core (:mod:`diloco.syncer.core`) appends these records to its work queue when it accepts a
+message that carries bytes (a PUSH or INIT part), when it commits a round, and when it
+finalizes; the data plane (``diloco.syncer.dataplane``) runs each one on the worker that owns
+its part and hands back a :class:`Result`, which the core takes through
+``Coordinator.on_result``. Plain records: nothing here runs a kernel or touches a socket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.outer import OuterHyper
+from diloco.syncer.core.robust import PartBound
+from diloco.wire import Opened, Payload
+from diloco.wire.parts import FragmentLayout
+
+__all__ = ["CommitPart", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
+
+
+@dataclass
+class RoundSum:
+    """The running weighted fp32 sum of one attempt of one round.
+
+    ``started[k]`` says whether part ``k`` has a first contribution yet (the first fold
+    writes ``w * d``, later ones add): touched only by the worker that owns part ``k``.
+    ``void`` is set by the loop when the attempt is dropped: queued folds then skip.
+    ``fold_order[k]`` is the island order of part ``k``'s folds, recorded at dispatch.
+    ``absmax[k]`` is ``max |s|`` over part ``k`` after its latest fold (``inf``: unknown or overflowed),
+    written by the worker that owns part ``k``; the commit's overflow bound reads it.
+    """
+
+    round: int
+    attempt: int
+    fragment: int
+    flat: torch.Tensor
+    n_parts: int
+    started: list[bool] = field(default_factory=list)
+    fold_order: list[list[int]] = field(default_factory=list)
+    void: bool = False
+    absmax: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.started = [False] * self.n_parts
+        self.fold_order = [[] for _ in range(self.n_parts)]
+        self.absmax = [math.inf] * self.n_parts
+
+
+@dataclass
+class FoldPart:
+    sum: RoundSum
+    part: int
+    lo: int
+    opened: Opened
+    weight: int
+    island: int
+    quant: tuple[str, int] | None = None
+    """(kind, block) for an int8 / q4 push part (codes + scales), None for fp32 / bf16 segments."""
+    n: int = 0
+    """Elements of the part (needed to read a q4 payload, whose codes pack two per byte)."""
+    bound: PartBound | None = None
+    """Element and norm bounds of an fp32 / bf16 part (``robust.py``); None: finiteness only."""
+
+
+@dataclass
+class InitPart:
+    fragment: int
+    part: int
+    lo: int
+    opened: Opened
+    value: torch.Tensor
+
+
+@dataclass
+class CommitPart:
+    round: int
+    fragment: int
+    part: int
+    lo: int
+    hi: int
+    value: torch.Tensor
+    momentum: torch.Tensor | None
+    """None with momentum 0 (no buffer); else updated in place unless ``new_momentum`` is given."""
+    new_momentum: torch.Tensor | None
+    """Where the new momentum goes when a checkpoint in flight still reads the old one (or the
+    overflow bound could not be proven): the result is then checked finite before it is kept."""
+    sum: RoundSum
+    total_weight: int
+    hyper: OuterHyper
+    layout: FragmentLayout
+    part_elems: int
+    encode_dtypes: tuple[str, ...]
+    version: int
+    seed: int = 0
+    """Chunk-digest seed of the broadcast payloads (``wire.digest_seed`` of the key)."""
+    check: bool = True
+    """Measure the result (finite, largest magnitudes); False when the state proved it finite
+    (``kernels.step_bounds``) and keeps the bounds itself."""
+
+
+@dataclass
+class EncodePart:
+    fragment: int
+    version: int
+    dtype: str
+    part: int
+    value: torch.Tensor
+    layout: FragmentLayout
+    part_elems: int
+    seed: int = 0
+    sink: dict[int, Payload] | None = None
+    """Where the loop puts the payload (one stream's parts, encoded on demand), instead of the
+    shared cache of fp32 parts; None: the cache."""
+
+
+@dataclass
+class DigestFragment:
+    """Hash a fragment's final value (``diloco.digest.tensor_digest`` of its tensors), to check
+    the digests islands send with FINAL_ACK. One sequential xxh3-128 pass over the value in place
+    (memory speed, no copy), so it runs on one worker: the one of part ``fragment``."""
+
+    fragment: int
+    value: torch.Tensor
+    layout: FragmentLayout
+
+    @property
+    def part(self) -> int:
+        return self.fragment
+
+
+Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment
+
+
+@dataclass
+class Result:
+    """What a work item came to; ``error`` is a one-line refusal reason (None: fine)."""
+
+    work: Work
+    error: str | None = None
+    payloads: dict[str, Payload] = field(default_factory=dict)
+    seconds: float = 0.0
+    digest: str | None = None
+    absmax: tuple[float, float] = (math.inf, math.inf)
+    """``max |value|`` and ``max |momentum|`` over the part written (INIT, a checked commit); ``nan``:
+    not measured (an unchecked commit)."""
