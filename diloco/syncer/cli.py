@@ -93,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens one local step may claim; a push's tokens are clamped to this x its local steps")
     p.add_argument("--max-weight-factor", type=float, default=4.0,
                    help="a push weighs at most this x the lower median weight per step of the round's other pushes, x its steps")
+    p.add_argument("--norm-clip-factor", type=float, default=8.0,
+                   help="a push part whose RMS exceeds this x the fragment's reference RMS is folded scaled down to it")
     p.add_argument("--norm-refuse-factor", type=float, default=64.0,
-                   help="an fp32 push part whose RMS exceeds this x the fragment's reference RMS is refused")
+                   help="a push part whose RMS exceeds this x the fragment's reference RMS is refused")
     p.add_argument("--max-open-rounds", type=int, default=2,
                    help="rounds open at once (each holds one fragment's running sum); a further round opens "
                         "once one commits")
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens_per_step=args.max_tokens_per_step,
             weight_factor=args.max_weight_factor,
             norm_hard_factor=args.norm_refuse_factor,
+            norm_clip_factor=args.norm_clip_factor,
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")

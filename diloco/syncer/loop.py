@@ -299,7 +299,8 @@ class SyncerLoop:
             if payload is None:
                 return None
             if o.kind == "BCAST":
-                header: Any = Bcast(fragment=o.fragment, version=o.version, round=o.round, cut=o.cut, part=k, n_parts=n)
+                header: Any = Bcast(fragment=o.fragment, version=o.version, round=o.round, cut=o.cut, part=k, n_parts=n,
+                                    commit_ms=0 if o.cut or frag.version != o.version else int(frag.commit_s * 1e3))
             else:
                 header = Final(fragment=o.fragment, version=o.version, n_fragments=state.n_fragments,
                                versions=o.versions, part=k, n_parts=n)

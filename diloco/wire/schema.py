@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-PROTOCOL_VERSION: int = 3
+PROTOCOL_VERSION: int = 4
 """Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments;
-3: session nonce and sequence number in the envelope, WELCOME echoes the generation)."""
+3: session nonce and sequence number in the envelope, WELCOME echoes the generation; 4: PROGRESS
+notices, BCAST carries the commit's duration)."""
 
 DEFAULT_PART_ELEMS: int = 8 << 20
 """Elements per part of a fragment stream (32 MiB of fp32): the syncer's ``--part-mib`` sets it
@@ -220,6 +221,8 @@ class Bcast(_HeaderBase, tag="BCAST"):
     cut: bool
     part: int = 0
     n_parts: int = 1
+    commit_ms: int = 0
+    """How long the syncer's commit of this version took, milliseconds (0: a cut, or unknown)."""
 
 
 class Heartbeat(_HeaderBase, tag="HEARTBEAT"):

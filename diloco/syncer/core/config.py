@@ -96,6 +96,9 @@ class SyncerConfig:
     weight_factor: float = 4.0
     """A push weighs at most this many times the lower median weight per local step of the round's
     other pushes (or of the latest attempt's), times its own clamped steps (``--max-weight-factor``)."""
+    norm_clip_factor: float = 8.0
+    """A push part whose RMS is above this many times the fragment's reference RMS is folded scaled
+    down to it (clipped; ``robust.py``, ``--norm-clip-factor``)."""
     norm_hard_factor: float = 64.0
     """A push part (fp32, bf16, or low-bit once dequantized) whose RMS is above this many times the
     fragment's reference RMS (the median of the previous round) is refused (``robust.py``,
@@ -141,6 +144,8 @@ class SyncerConfig:
              f"must be >= 1, got {self.weight_factor}")
         need(math.isfinite(self.norm_hard_factor) and self.norm_hard_factor >= 1, "--norm-refuse-factor",
              f"must be >= 1, got {self.norm_hard_factor}")
+        need(1 <= self.norm_clip_factor <= self.norm_hard_factor, "--norm-clip-factor",
+             f"must be in [1, --norm-refuse-factor {self.norm_hard_factor:g}], got {self.norm_clip_factor}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
 
     @property

@@ -19,10 +19,12 @@ when a part is folded; tested with plain values.
 * **Deltas are bounded per part** (:class:`PartBound`): any element beyond ``max_abs``
   refuses the part before that chunk is folded (so ``weight x max|delta|`` summed over
   islands stays far below the fp32 range: accumulation cannot overflow); once a fragment has a
-  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), a part
-  (fp32, bf16, or low-bit once dequantized) whose L2 norm is above ``--refuse-factor`` x reference x sqrt(elements) is refused.
-  (Scaling a part down instead would need its norm before the first chunk is folded, a second
-  pass over every part; the fold streams chunk by chunk, so bounds refuse, they do not clip.)
+  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), each
+  part's L2 norm is measured before it is folded (one extra read of the part, in cache-sized
+  chunks): above ``--norm-clip-factor`` x reference x sqrt(elements) the part is folded with
+  its weight scaled down to that norm (clipped, counted per island); above
+  ``--norm-refuse-factor`` x the same it is refused before anything of it is folded.  This
+  holds for fp32, bf16 and (once dequantized) low-bit parts.
 * A refused part is charged to the island that sent it (``--max-refusals`` evicts): the
   attempt is re-pulled without it, so the round commits with the others.
 
@@ -31,6 +33,7 @@ Memory: per fragment one float and one round's per-island sums; per island a few
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import threading
@@ -41,6 +44,8 @@ import torch
 
 from diloco.outer import push_weight
 from diloco.wire import WireError
+
+log = logging.getLogger("diloco.syncer.core")
 
 FP32_MAX = 3.0e38
 MAX_ABS_DELTA = 1.0e4
@@ -97,23 +102,55 @@ def unjudged_excess(pushes: dict[int, tuple[int, int]], factor: float) -> tuple[
 
 @dataclass
 class PartBound:
-    """What one part of a push may hold.  The fold calls :func:`check_chunk` on each chunk before
-    folding it and :func:`finish_part` after the last; ``sink`` learns the part's norm."""
+    """What one part of a push may hold.
+
+    Without a reference (``clip_norm`` infinite) the fold calls :func:`check_chunk` on each chunk
+    before folding it and :func:`finish_part` after the last.  With one, the fold first measures
+    the part's norm (:func:`chunk_sumsq` over its chunks) and asks :func:`clip_scale` what to
+    multiply the part's weight by (refusing it beyond ``hard_norm``), then folds with
+    :func:`check_chunk` checking elements only.  ``sink`` learns the norm folded; ``on_clip``
+    hears ``(norm, clip_norm)`` of a clipped part (it runs on a data-plane worker)."""
 
     max_abs: float = MAX_ABS_DELTA
     hard_norm: float = math.inf
+    clip_norm: float = math.inf
     sink: Callable[[float], None] | None = None
+    on_clip: Callable[[float, float], None] | None = None
     sumsq: float = 0.0
+    measured: bool = False
+    """The norm was measured before the fold (:func:`clip_scale`): chunks add no squares."""
+
+
+def chunk_sumsq(view: torch.Tensor) -> float:
+    """Sum of squares of one fp32 or bf16 chunk, accumulated in fp32 (no fp32 copy of a bf16 chunk)."""
+    if view.dtype == torch.float32:
+        return float(torch.dot(view, view))
+    return float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
 
 
 def check_chunk(bound: PartBound, amax: float, view: torch.Tensor) -> None:
-    """Refuse a chunk holding an element beyond ``max_abs`` (before it is folded); add its squares."""
+    """Refuse a chunk holding an element beyond ``max_abs`` (before it is folded); add its squares
+    unless the part's norm was measured first."""
     if amax > bound.max_abs:
         raise WireError(f"delta element of magnitude {amax:.3g} {BOUND_MARK} {bound.max_abs:.3g}")
-    if view.dtype == torch.float32:  # |d| <= max_abs: the fp32 dot of one chunk cannot overflow
-        bound.sumsq += float(torch.dot(view, view))
-    else:  # bf16 segments: squares summed in fp32 without an fp32 copy of the chunk
-        bound.sumsq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
+    if not bound.measured:  # |d| <= max_abs: the fp32 squares of one chunk cannot overflow
+        bound.sumsq += chunk_sumsq(view)
+
+
+def clip_scale(bound: PartBound, norm: float) -> float:
+    """The factor a part of L2 norm ``norm`` is folded with: 1, or ``clip_norm / norm`` above the
+    clip (reported to ``on_clip``); refuses a norm beyond ``hard_norm`` (nothing of it folded)."""
+    if not norm <= bound.hard_norm:  # also NaN: refused here, never folded
+        raise WireError(f"delta norm {norm:.3g} {BOUND_MARK} {bound.hard_norm:.3g} "
+                        f"(--norm-refuse-factor x the fragment's reference)")
+    scale = 1.0
+    if norm > bound.clip_norm:
+        scale = bound.clip_norm / norm
+        if bound.on_clip is not None:
+            bound.on_clip(norm, bound.clip_norm)
+    bound.measured = True
+    bound.sumsq = (norm * scale) ** 2
+    return scale
 
 
 def finish_part(bound: PartBound) -> None:
@@ -121,7 +158,7 @@ def finish_part(bound: PartBound) -> None:
     norm = math.sqrt(bound.sumsq)
     if norm > bound.hard_norm:
         raise WireError(f"delta norm {norm:.3g} {BOUND_MARK} {bound.hard_norm:.3g} "
-                        f"(--refuse-factor x the fragment's reference)")
+                        f"(--norm-refuse-factor x the fragment's reference)")
     if bound.sink is not None:
         bound.sink(norm)
 
@@ -178,12 +215,27 @@ class Reference:
         if any(r > 0 for r in rates):
             self.last_rates[fragment] = tuple(r for r in rates if r > 0)
 
-    def bound(self, fragment: int, round_: int, island: int, n: int, refuse_factor: float) -> PartBound:
+    def bound(self, fragment: int, round_: int, island: int, n: int, refuse_factor: float,
+              clip_factor: float = math.inf) -> PartBound:
+        """The bounds of one part (``n`` elements) of ``island``'s push: refused beyond
+        ``refuse_factor``, clipped beyond ``clip_factor`` x the fragment's reference RMS x sqrt(n)
+        (no norm bound before the fragment has a reference)."""
         with self._lock:
+            cur, acc = self._acc.get(fragment, (round_, {}))
+            if round_ > cur:  # a later round of the fragment: the earlier one's folds are all in
+                self._finish(fragment, acc)
+                self._acc[fragment] = (round_, {})
             ref = self.rms.get(fragment)
         b = PartBound(sink=self.sink(fragment, round_, island, n))
         if ref is not None:
             b.hard_norm = refuse_factor * ref * math.sqrt(n)
+            b.clip_norm = clip_factor * ref * math.sqrt(n)
+
+            def clipped(norm: float, clip: float) -> None:
+                self.count(island, "clipped")
+                log.warning("island %d round %d: a part of norm %.3g clipped to %.3g (--norm-clip-factor x "
+                            "the fragment's reference)", island, round_, norm, clip)
+            b.on_clip = clipped
         return b
 
     def summary(self) -> str:

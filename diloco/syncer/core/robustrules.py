@@ -65,5 +65,5 @@ def judge_unjudged(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
 
 
 def part_bound(cfg: SyncerConfig, reference: Reference, r: RoundRecord, island: int, n: int) -> PartBound:
-    """The element and norm bounds of one fp32 / bf16 part of ``island``'s push to ``r`` (``n`` elements)."""
-    return reference.bound(r.fragment, r.round, island, n, cfg.norm_hard_factor)
+    """The element and norm bounds (clip and refuse) of one part of ``island``'s push to ``r`` (``n`` elements)."""
+    return reference.bound(r.fragment, r.round, island, n, cfg.norm_hard_factor, cfg.norm_clip_factor)

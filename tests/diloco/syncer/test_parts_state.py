@@ -560,3 +560,40 @@ def test_a_cut_carries_the_last_committed_round_also_after_resume() -> None:
     assert resumed.st.fragments[0].round == 1 and resumed.st.roundbook.next_open == 2
     out = resumed.send(peer(0), hello(0, numel=(NUMEL,)), now=0.0)
     assert [(o.cut, o.round) for o in streams(out)] == [(True, 1)]
+
+
+def test_a_part_far_above_the_reference_norm_is_clipped_not_folded_whole() -> None:
+    """Round 1 sets the fragment's reference RMS; in round 2 island 2 pushes 20x that (above the
+    clip, 8x, below the refusal, 64x): each of its parts is folded scaled down to the clip norm,
+    counted per island, and the round commits with all three."""
+    d = started()
+    open_round(d, 1)
+    out = []
+    for i in range(3):
+        out += d.send_all(peer(i), pushes(i, 1), now=1.0)
+    out += d.run(1.0)
+    assert not errors(out) and d.st.versions() == (1,)
+    rms = sorted(float(np.sqrt(np.mean(flat(delta(i, 1)).numpy().astype(np.float64) ** 2))) for i in range(3))[1]
+    open_round(d, 2, now=2.0)
+    v0, m0 = frag_state(d)
+    big = [(n, t * 20.0) for n, t in delta(2, 2)]
+    out = []
+    for i in range(3):
+        out += d.send_all(peer(i), pushes(i, 2, base=1, t=big if i == 2 else None), now=2.0)
+    out += d.run(2.0)
+    assert not errors(out) and d.st.versions() == (2,)
+    ev = d.st.events[-1]
+    assert ev["round"] == 2 and sorted(int(k) for k in ev["weights"]) == [0, 1, 2]
+    assert f"i2:clipped{N_PARTS}" in d.st.reference.summary()
+    # The reference: island 2's parts scaled to 8 x rms x sqrt(elements) each (fp32 rounding aside).
+    d2 = flat(big).numpy().astype(np.float64)
+    for k in range(N_PARTS):
+        lo, hi = k * E, min(NUMEL, (k + 1) * E)
+        d2[lo:hi] *= min(1.0, 8.0 * rms * np.sqrt(hi - lo) / np.linalg.norm(d2[lo:hi]))
+    deltas = {0: flat(delta(0, 2)).numpy(), 1: flat(delta(1, 2)).numpy(), 2: d2.astype(np.float32)}
+    weights = {int(k): w for k, w in ev["weights"].items()}
+    ref, _ = reference_commit(v0, m0, deltas, weights, ev["fold_order"], E)
+    v, _m = frag_state(d)
+    assert np.allclose(v, ref, rtol=1e-5, atol=1e-6)
+    unclipped, _ = reference_commit(v0, m0, {**deltas, 2: flat(big).numpy()}, weights, ev["fold_order"], E)
+    assert not np.allclose(v, unclipped, rtol=1e-3, atol=1e-4)  # the clip changed the merge
