@@ -34,6 +34,9 @@ The rules, each a promise of :meth:`Planner.plan`:
   (``YETO_DILOCO_SNAPSHOT_SLOTS``, 1 by default) holds another fragment whose commit is not
   installed at this same boundary; after the last step
   (``finishing``) a push goes at once with what is left (possibly 0 steps) and needs no slot;
+* slots go to pulls oldest round first, and a pull that must wait keeps its claim on one: the
+  syncer commits rounds in order, so a later round holding the last slot would wait on a commit
+  that needs the earlier round's push, which would wait on that slot;
 * a ``stale_base`` refusal of our outstanding push is passed to every rank: the value the syncer
   resends is installed keeping the progress since that push's snapshot;
 * synchronous rounds: a boundary whose step opens a round not yet installed holds (another
@@ -245,29 +248,39 @@ class Planner:
         available = free_slots + len(slot_holders & set(installs))
         replaced = {f for f in installs if self._staging_mode(f) != "progress"}
         pushes = []
-        for slot in self.slots:
+        # Oldest round first, and a pull that must wait keeps its claim on a slot: rounds commit in
+        # round order, so a later round's push holding the last slot would wait for a commit that
+        # needs the earlier push, which would wait for that slot.
+        for slot in sorted((s for s in self.slots if s.pull is not None), key=lambda s: s.pull.round):  # type: ignore[union-attr]
             f, p = slot.fragment, slot.pull
-            if p is None:
-                continue
+            assert p is not None
             if p.round <= slot.known_committed(installs):
                 slot.pull = None  # that round committed without us
                 continue
-            if slot.pending is not None or (slot.staging is not None and f not in installs):
-                continue  # a newer global value is on its way: push on top of it
-            if slot.version < 0 and f not in installs:
-                continue  # never installed: nothing to push against yet
-            if slot.snap_round is not None and slot.snap_round < p.round and f not in installs \
-                    and slot.parked_at >= self.decisions:
-                continue  # our previous push's commit may still come: wait one boundary for it
-            if not finishing and (slot.unmerged_steps < 1 or f in replaced):
-                continue  # wait for a local step on top of the value installed now
             needs_slot = not finishing and (f not in slot_holders or f in installs)
+            if self._waits(slot, p, installs, replaced, finishing):
+                available -= 1 if needs_slot else 0  # its slot stays reserved for it
+                continue
             if needs_slot and available < 1:
-                continue  # every snapshot slot holds another push until that commit is installed
+                available -= 1  # every snapshot slot holds another push until that commit is installed
+                continue
             available -= 1 if needs_slot else 0
             pushes.append(PushOrder(f, p.round, p.attempt))
             slot.pull = None
         return pushes
+
+    def _waits(self, slot: FragmentSlot, p: wire.Pull, installs: dict[int, Value], replaced: set[int],
+               finishing: bool) -> bool:
+        """Whether the pull ``p`` of ``slot`` must wait for a later boundary (slots aside)."""
+        f = slot.fragment
+        if slot.pending is not None or (slot.staging is not None and f not in installs):
+            return True  # a newer global value is on its way: push on top of it
+        if slot.version < 0 and f not in installs:
+            return True  # never installed: nothing to push against yet
+        if slot.snap_round is not None and slot.snap_round < p.round and f not in installs \
+                and slot.parked_at >= self.decisions:
+            return True  # our previous push's commit may still come: wait one boundary for it
+        return not finishing and (slot.unmerged_steps < 1 or f in replaced)  # a local step on top of the install
 
     def _staging_mode(self, f: int) -> str:
         staging = self.slots[f].staging

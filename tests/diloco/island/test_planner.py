@@ -305,3 +305,29 @@ def test_two_snapshot_slots_let_two_fragments_push_before_either_commit() -> Non
     b.train_step()
     assert b.run(pulls=[pull(2, 3)]).pushes == [], "both slots hold a push awaiting its commit"
     assert b.holders == {0, 1}
+
+
+def test_the_slot_goes_to_the_oldest_round_and_a_waiting_one_keeps_its_claim() -> None:
+    """Rounds commit in round order. With one slot, pulls of round 4 (fragment 3) and round 5
+    (fragment 0) outstanding: round 4 must push first; round 5 taking the slot would wait for a
+    commit that needs round 4's push, which would wait for the slot (a deadlock seen at 2.7B)."""
+    b = anchored(4)
+    b.train_step()
+    b.run(pulls=[pull(2, 3)])
+    assert b.holders == {2}
+    b.train_step()
+    assert b.run(pulls=[pull(3, 4), pull(0, 5)]).pushes == [], "the slot holds fragment 2's push"
+    b.train_step()
+    b.run(bcasts=[bcast(2, 1, 3)], staged_done=False)
+    b.train_step()
+    orders = b.run()
+    assert orders.pushes == [PushOrder(3, 4, 0)], "the oldest round gets the freed slot"
+    assert b.holders == {3}
+
+
+def test_a_later_round_does_not_take_the_slot_an_earlier_waiting_pull_needs() -> None:
+    b = anchored(4)
+    b.p.slots[3].pending = bcast(3, 1, 2)  # a newer value of fragment 3 is on its way: round 4 waits
+    b.train_step()
+    orders = b.run(pulls=[pull(3, 4), pull(0, 5)], staged_done=False)
+    assert PushOrder(0, 5, 0) not in orders.pushes and 0 not in b.holders
