@@ -14,10 +14,10 @@ from diloco.quant.feedback import ErrorFeedback
 from diloco.quant.format import (DEFAULT_BLOCK, KINDS, MIN_BLOCK, PART_ALIGN, Q4_OFFSET, QMAX, Kind, QuantError,
                                  check_block, check_kind, check_payload, code_nbytes, max_scale, n_scales,
                                  wire_nbytes)
-from diloco.quant.kernels import dequantize, dequantize_fold, dequantized_sumsq, quantize
+from diloco.quant.kernels import dequantize, dequantize_fold, quantize
 
 __all__ = [
     "DEFAULT_BLOCK", "KINDS", "MIN_BLOCK", "PART_ALIGN", "Q4_OFFSET", "QMAX", "ErrorFeedback", "Kind", "QuantError",
-    "check_block", "check_kind", "check_payload", "code_nbytes", "dequantize", "dequantize_fold", "dequantized_sumsq", "max_scale",
+    "check_block", "check_kind", "check_payload", "code_nbytes", "dequantize", "dequantize_fold", "max_scale",
     "n_scales", "quantize", "wire_nbytes",
 ]

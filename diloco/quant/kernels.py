@@ -270,14 +270,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, block: int,
     return out
 
 
-def dequantized_sumsq(codes: torch.Tensor, scales: torch.Tensor, kind: str, block: int, n: int) -> float:
-    """``sum(x'**2)`` of a low-bit payload of ``n`` elements, chunk by chunk in fp32 (never an fp32
-    copy of the whole payload). Validates the payload first."""
-    kind_ = check_kind(kind)
-    check_payload(codes, scales, kind_, block, n)
-    return sum(float(torch.dot(deq, deq)) for _lo, _hi, deq in _blocks_of(codes, scales, kind_, block, n, codes.device))
-
-
 def dequantize_fold(
     codes: torch.Tensor,
     scales: torch.Tensor,

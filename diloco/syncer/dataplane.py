@@ -51,7 +51,7 @@ import xxhash
 from diloco import quant
 from diloco.digest import tensor_digest
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
-from diloco.syncer.core.robust import check_chunk, chunk_sumsq, clip_scale, finish_part
+from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
 from diloco.syncer.core.work import CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
 from diloco.wire.chunks import wire_bytes
@@ -70,7 +70,7 @@ COMMIT_BLOCK = BLOCK
 def fold_part(w: FoldPart, scratch: Scratch) -> None:
     """Fold one part, chunk by chunk while the chunk is in cache: verify its digest, check it is
     finite (its largest magnitude bounds the sum: ``absmax[k] += w * max |d|``) and within the
-    part's bounds (with a reference, its norm is measured first and may scale ``w`` down), then
+    part's bounds (a part clipped by its norm is folded again with ``(scale - 1) * w``), then
     ``s = w * d`` for the part's first contribution or ``s = s + w * d``. A refused chunk may
     leave earlier chunks folded: the state then voids the whole attempt (the sum is dropped)."""
     if w.sum.void:
@@ -80,10 +80,6 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
         return
     opened = w.opened
     weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
-    if w.bound is not None and math.isfinite(w.bound.clip_norm):
-        # The part's norm first (a clipped part folds with its weight scaled down; one beyond the
-        # hard bound is refused before any of it reaches the sum).
-        weight *= clip_scale(w.bound, math.sqrt(sum(chunk_sumsq(v) for _i, _o, v in opened.chunk_views())))
     first = not w.sum.started[w.part]
     starts = _segment_starts(opened, w.lo)
     dmax = 0.0
@@ -104,6 +100,11 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
     w.sum.absmax[w.part] = (0.0 if first else w.sum.absmax[w.part]) + abs(weight) * dmax
     w.sum.started[w.part] = True
     if w.bound is not None:
+        scale = clip_scale(w.bound)
+        if scale < 1.0:  # clipped: s += (scale - 1) w d leaves the part folded as scale x w x d
+            for i, off, view in opened.chunk_views():
+                pos = starts[i] + off
+                fold_chunk(view, w.sum.flat[pos : pos + view.numel()], (scale - 1.0) * weight, False, scratch)
         finish_part(w.bound)
 
 
@@ -124,16 +125,17 @@ def _fold_quant_part(w: FoldPart) -> None:
         raise WireError(f"{kind} part {w.part}: {exc}") from None
     bound = w.bound
     weight = float(w.weight)
-    if bound is not None and math.isfinite(bound.clip_norm):
-        weight *= clip_scale(bound, math.sqrt(quant.dequantized_sumsq(codes, scales, kind, block, out.numel())))
     if not w.sum.started[w.part]:
         out.zero_()
     inspect = None if bound is None else (lambda deq: check_chunk(bound, absmax(deq), deq))
     quant.dequantize_fold(codes, scales, kind, block, out, weight, inspect)
+    if bound is not None:
+        scale = clip_scale(bound)
+        if scale < 1.0:  # clipped: fold it again with (scale - 1) x its weight
+            quant.dequantize_fold(codes, scales, kind, block, out, (scale - 1.0) * weight)
+        finish_part(bound)
     w.sum.absmax[w.part] = absmax(out)
     w.sum.started[w.part] = True
-    if bound is not None:
-        finish_part(bound)
 
 
 def _segment_starts(opened: Opened, lo: int) -> list[int]:

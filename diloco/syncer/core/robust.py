@@ -20,11 +20,11 @@ when a part is folded; tested with plain values.
   refuses the part before that chunk is folded (so ``weight x max|delta|`` summed over
   islands stays far below the fp32 range: accumulation cannot overflow); once a fragment has a
   reference RMS (the median per-island RMS of its previous round, :class:`Reference`), each
-  part's L2 norm is measured before it is folded (one extra read of the part, in cache-sized
-  chunks): above ``--norm-clip-factor`` x reference x sqrt(elements) the part is folded with
-  its weight scaled down to that norm (clipped, counted per island); above
-  ``--norm-refuse-factor`` x the same it is refused before anything of it is folded.  This
-  holds for fp32, bf16 and (once dequantized) low-bit parts.
+  part's L2 norm is summed as it is folded: above ``--norm-clip-factor`` x reference x
+  sqrt(elements) the part is folded a second time with its weight times ``scale - 1``, which
+  leaves it scaled down to that norm (clipped, counted per island: only such parts cost the
+  second pass); above ``--norm-refuse-factor`` x the same it is refused and its attempt voided.
+  This holds for fp32, bf16 and (once dequantized) low-bit parts.
 * A refused part is charged to the island that sent it (``--max-refusals`` evicts): the
   attempt is re-pulled without it, so the round commits with the others.
 
@@ -102,14 +102,12 @@ def unjudged_excess(pushes: dict[int, tuple[int, int]], factor: float) -> tuple[
 
 @dataclass
 class PartBound:
-    """What one part of a push may hold.
-
-    Without a reference (``clip_norm`` infinite) the fold calls :func:`check_chunk` on each chunk
-    before folding it and :func:`finish_part` after the last.  With one, the fold first measures
-    the part's norm (:func:`chunk_sumsq` over its chunks) and asks :func:`clip_scale` what to
-    multiply the part's weight by (refusing it beyond ``hard_norm``), then folds with
-    :func:`check_chunk` checking elements only.  ``sink`` learns the norm folded; ``on_clip``
-    hears ``(norm, clip_norm)`` of a clipped part (it runs on a data-plane worker)."""
+    """What one part of a push may hold.  The fold calls :func:`check_chunk` on each chunk before
+    folding it (elements; squares summed), then :func:`clip_scale` (with a reference: the part's
+    norm refused beyond ``hard_norm``, or the factor to fold it with above ``clip_norm``, the fold
+    then adding the difference in a second pass over that part only) and :func:`finish_part`.
+    ``sink`` learns the norm folded; ``on_clip`` hears ``(norm, clip_norm)`` of a clipped part (it
+    runs on a data-plane worker)."""
 
     max_abs: float = MAX_ABS_DELTA
     hard_norm: float = math.inf
@@ -117,8 +115,6 @@ class PartBound:
     sink: Callable[[float], None] | None = None
     on_clip: Callable[[float, float], None] | None = None
     sumsq: float = 0.0
-    measured: bool = False
-    """The norm was measured before the fold (:func:`clip_scale`): chunks add no squares."""
 
 
 def chunk_sumsq(view: torch.Tensor) -> float:
@@ -130,27 +126,26 @@ def chunk_sumsq(view: torch.Tensor) -> float:
 
 def check_chunk(bound: PartBound, amax: float, view: torch.Tensor) -> None:
     """Refuse a chunk holding an element beyond ``max_abs`` (before it is folded); add its squares
-    unless the part's norm was measured first."""
+    (|d| <= max_abs: the fp32 squares of one chunk cannot overflow)."""
     if amax > bound.max_abs:
         raise WireError(f"delta element of magnitude {amax:.3g} {BOUND_MARK} {bound.max_abs:.3g}")
-    if not bound.measured:  # |d| <= max_abs: the fp32 squares of one chunk cannot overflow
-        bound.sumsq += chunk_sumsq(view)
+    bound.sumsq += chunk_sumsq(view)
 
 
-def clip_scale(bound: PartBound, norm: float) -> float:
-    """The factor a part of L2 norm ``norm`` is folded with: 1, or ``clip_norm / norm`` above the
-    clip (reported to ``on_clip``); refuses a norm beyond ``hard_norm`` (nothing of it folded)."""
-    if not norm <= bound.hard_norm:  # also NaN: refused here, never folded
+def clip_scale(bound: PartBound) -> float:
+    """Once every chunk of a part passed :func:`check_chunk`: 1, or ``clip_norm / norm`` when the
+    part's norm is above the clip (reported to ``on_clip``; the caller folds the part again with
+    its weight times ``scale - 1``); refuses a norm beyond ``hard_norm`` (the attempt is void)."""
+    norm = math.sqrt(bound.sumsq)
+    if not norm <= bound.hard_norm:  # also NaN
         raise WireError(f"delta norm {norm:.3g} {BOUND_MARK} {bound.hard_norm:.3g} "
                         f"(--norm-refuse-factor x the fragment's reference)")
-    scale = 1.0
-    if norm > bound.clip_norm:
-        scale = bound.clip_norm / norm
-        if bound.on_clip is not None:
-            bound.on_clip(norm, bound.clip_norm)
-    bound.measured = True
-    bound.sumsq = (norm * scale) ** 2
-    return scale
+    if norm <= bound.clip_norm:
+        return 1.0
+    if bound.on_clip is not None:
+        bound.on_clip(norm, bound.clip_norm)
+    bound.sumsq = bound.clip_norm ** 2
+    return bound.clip_norm / norm
 
 
 def finish_part(bound: PartBound) -> None:

@@ -82,20 +82,25 @@ def test_keys_own_island_ids_and_hellos_are_rate_limited(tmp_path) -> None:
 
 def test_a_part_is_clipped_above_the_clip_norm_and_refused_above_the_hard_one() -> None:
     seen = []
-    b = PartBound(hard_norm=64.0, clip_norm=8.0, on_clip=lambda n, c: seen.append((n, c)))
-    assert clip_scale(b, 4.0) == 1.0 and seen == [] and b.measured
-    b2 = PartBound(hard_norm=64.0, clip_norm=8.0, on_clip=lambda n, c: seen.append((n, c)))
-    assert clip_scale(b2, 32.0) == 0.25 and seen == [(32.0, 8.0)]
-    check_chunk(b2, 1.0, torch.full((4,), 1.0))  # measured: a chunk adds no squares
-    assert math.isclose(b2.sumsq, 64.0)
+
+    def part(norm: float) -> PartBound:
+        b = PartBound(hard_norm=64.0, clip_norm=8.0, on_clip=lambda n, c: seen.append((n, c)))
+        check_chunk(b, norm, torch.tensor([norm]))
+        return b
+    assert clip_scale(part(4.0)) == 1.0 and seen == []
+    b2 = part(32.0)
+    assert clip_scale(b2) == 0.25 and seen == [(32.0, 8.0)] and math.isclose(b2.sumsq, 64.0)
     with pytest.raises(WireError, match="above the bound"):
-        clip_scale(PartBound(hard_norm=64.0, clip_norm=8.0), 65.0)
+        clip_scale(part(65.0))
+    nan = PartBound(hard_norm=64.0, clip_norm=8.0)
+    nan.sumsq = float("nan")
     with pytest.raises(WireError, match="above the bound"):
-        clip_scale(PartBound(hard_norm=64.0, clip_norm=8.0), float("nan"))
+        clip_scale(nan)
     ref = Reference()
     for island, norm in ((0, 2.0), (1, 4.0), (2, 100.0)):
         ref.sink(0, 1, island, 4)(norm)
     b3 = ref.bound(0, 2, 1, 4, 64.0, 8.0)  # the next round's first bound already sees round 1
     assert math.isclose(b3.clip_norm, 8.0 * 2.0 * 2.0) and math.isclose(b3.hard_norm, 64.0 * 2.0 * 2.0)
-    assert math.isclose(clip_scale(b3, 64.0), 0.5)
+    b3.sumsq = 64.0 ** 2
+    assert math.isclose(clip_scale(b3), 0.5)
     assert "i1:clipped1" in ref.summary()
