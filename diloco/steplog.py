@@ -119,7 +119,10 @@ class StepRecord(BoundaryRecord):
     later record carries ``{"type": "push_dropped", "fragment", "round", "attempt",
     "local_steps", "data_bytes"}`` with the bytes that did not move (the syncer re-pulls).
     ``{"type": "refused", "count", "data_bytes": 0}``: messages from the syncer this island
-    refused (failed validation) since the previous record. Readers ignore types they do not know."""
+    refused (failed validation) since the previous record. ``{"type": "link", "up_bytes_s",
+    "down_bytes_s", "rtt_s", "queue", "data_bytes": 0}``: the link to the syncer as the client
+    measures it (smoothed), in records that pushed or applied. An ``apply`` also carries
+    ``commit_s``, the syncer's commit time of that version. Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int

@@ -24,6 +24,8 @@ Definitions (the tests pin these):
     data / control  totals over every record: payload bytes (the events' data_bytes)
                     and control bytes (headers, heartbeats; per record)
     lag_steps       from ``apply`` events (steps between push and apply of a round)
+    commit s        the syncer's commit time of each applied version (``apply`` events)
+    link            the last ``link`` event: up/down throughput and RTT the client measured
     version lag     for each round this island both pushed and applied:
                     applied version - 1 - push base_version, i.e. how many
                     commits of that fragment the push's anchor was behind
@@ -96,6 +98,13 @@ class IslandSummary:
     version_lag_p50: float | None
     version_lag_max: int | None
     final_loss: float | None
+    commit_s_p50: float | None = None
+    """The syncer's commit time of the applied versions (``apply`` events' ``commit_s``)."""
+    commit_s_max: float | None = None
+    link_up_mb_s: float | None = None
+    """The link as the client last measured it (``link`` events): up and down MB/s, RTT ms."""
+    link_down_mb_s: float | None = None
+    link_rtt_ms: float | None = None
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -156,6 +165,9 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
     pushes = [e for r in records for e in r.events if e["type"] == "push"]
     weighted = [e for e in pushes if (_event_int(e, "data_bytes") or 0) > 0 and not e.get("dropped")]
     lag_steps = [v for v in (_event_int(e, "lag_steps") for e in applies) if v is not None]
+    commits = [float(e["commit_s"]) for e in applies if isinstance(e.get("commit_s"), (int, float)) and e["commit_s"] > 0]
+    links = [e for r in records for e in r.events if e["type"] == "link"]
+    link = links[-1] if links else {}
     vlags = version_lags(records)
     rounds = len(applies)
     sent = sum(_event_int(e, "data_bytes") or 0 for e in pushes)
@@ -209,6 +221,11 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
         version_lag_p50=_pct(vlags, 50),
         version_lag_max=max(vlags) if vlags else None,
         final_loss=losses[-1] if losses else None,
+        commit_s_p50=_pct(commits, 50),
+        commit_s_max=max(commits) if commits else None,
+        link_up_mb_s=link["up_bytes_s"] / 1e6 if "up_bytes_s" in link else None,
+        link_down_mb_s=link["down_bytes_s"] / 1e6 if "down_bytes_s" in link else None,
+        link_rtt_ms=link["rtt_s"] * 1e3 if "rtt_s" in link else None,
     )
 
 
@@ -279,6 +296,11 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("applies", [str(s.applies) for s in summaries]),
         ("lag steps p50 / max", [f"{_num(s.lag_steps_p50, '{:g}')} / {_num(s.lag_steps_max, '{}')}" for s in summaries]),
         ("version lag p50 / max", [f"{_num(s.version_lag_p50, '{:g}')} / {_num(s.version_lag_max, '{}')}" for s in summaries]),
+        ("syncer commit s p50 / max", [f"{_num(s.commit_s_p50, '{:.2f}')} / {_num(s.commit_s_max, '{:.2f}')}"
+                                       for s in summaries]),
+        ("link up / down MB/s", [f"{_num(s.link_up_mb_s, '{:.1f}')} / {_num(s.link_down_mb_s, '{:.1f}')}"
+                                 for s in summaries]),
+        ("link RTT ms", [_num(s.link_rtt_ms, "{:.1f}") for s in summaries]),
         ("final loss", [_num(s.final_loss, "{:.4f}") for s in summaries]),
     ]
     label_w = max(len(label) for label, _ in rows)

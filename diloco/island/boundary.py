@@ -326,6 +326,8 @@ class Island(StartFinish, Landings):
         ctrl = (st.control_bytes_sent, st.control_bytes_recv, st.refused)
         if ctrl[2] > self._ctrl0[2]:
             events.append({"type": "refused", "count": ctrl[2] - self._ctrl0[2], "data_bytes": 0})
+        if record.pushed or record.applied:  # the link as the client measures it, where it mattered
+            events.append({"type": "link", **self.client.liveness.snapshot(), "data_bytes": 0})
         self._steplog.record(StepRecord(
             **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)},
             time=time.time(), step_s=step_s, export_s=export_s, apply_s=apply_s, wait_s=wait_s,

@@ -326,7 +326,8 @@ class Inbox:
         self._accepted_version[h.fragment] = h.version
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
-        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival)
+        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival,
+                                                 h.commit_us)
 
 
 def _nbytes(frame: Any) -> int:

@@ -134,7 +134,7 @@ class Landings:
             events.append({"type": "cut", "fragment": f, "version": value.version, **extra})
         else:
             events.append({"type": "apply", "fragment": f, "version": value.version, "round": value.round, **extra,
-                           "lag_steps": lag})
+                           "lag_steps": lag, "commit_s": value.commit_us / 1e6})
 
     # ------------------------------------------------------------------ rounds (step boundary)
     def _install_all(self, orders: Orders, events: list[dict]) -> float:

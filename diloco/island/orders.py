@@ -32,6 +32,8 @@ class PendingBcast:
     arrival: int = 0
     """Which arrival of a value of this fragment it was (the data path's receive count): an
     install of it frees the anchors for received values only if no later value has begun."""
+    commit_us: int = 0
+    """The syncer's commit time of this version (BCAST ``commit_us``; 0: a cut, unknown)."""
 
 
 class Value(msgspec.Struct, frozen=True):
@@ -42,6 +44,8 @@ class Value(msgspec.Struct, frozen=True):
     round: int
     cut: bool
     """A cut (initial, rejoin): installed as it is, and it resets the fragment's round floor."""
+    commit_us: int = 0
+    """The syncer's commit time of this version, microseconds (0: a cut, or unknown)."""
 
 
 class PushOrder(msgspec.Struct, frozen=True):

@@ -300,7 +300,7 @@ class SyncerLoop:
                 return None
             if o.kind == "BCAST":
                 header: Any = Bcast(fragment=o.fragment, version=o.version, round=o.round, cut=o.cut, part=k, n_parts=n,
-                                    commit_ms=0 if o.cut or frag.version != o.version else int(frag.commit_s * 1e3))
+                                    commit_us=0 if o.cut or frag.version != o.version else int(frag.commit_s * 1e6))
             else:
                 header = Final(fragment=o.fragment, version=o.version, n_fragments=state.n_fragments,
                                versions=o.versions, part=k, n_parts=n)

@@ -221,8 +221,8 @@ class Bcast(_HeaderBase, tag="BCAST"):
     cut: bool
     part: int = 0
     n_parts: int = 1
-    commit_ms: int = 0
-    """How long the syncer's commit of this version took, milliseconds (0: a cut, or unknown)."""
+    commit_us: int = 0
+    """How long the syncer's commit of this version took, microseconds (0: a cut, or unknown)."""
 
 
 class Heartbeat(_HeaderBase, tag="HEARTBEAT"):

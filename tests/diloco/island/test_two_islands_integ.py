@@ -77,6 +77,10 @@ def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:
         records = read_steplog(str(tmp_path / f"island{i}.steplog.jsonl"))
         assert records[-1].pushes >= 2 and records[-1].applies >= 2
         assert any(e["type"] == "final" for r in records for e in r.events)
+        applies = [e for r in records for e in r.events if e["type"] == "apply"]
+        assert applies and any(e["commit_s"] > 0 for e in applies)  # the syncer's commit time, per version
+        links = [e for r in records for e in r.events if e["type"] == "link"]
+        assert links and links[-1]["down_bytes_s"] > 0 and links[-1]["rtt_s"] > 0
 
     # The islands' final parameters are the syncer's final values, byte for byte.
     ckpt = tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text().strip()
