@@ -258,7 +258,8 @@ class Island(StartFinish, Landings):
         """The sync rank's orders (the planner's rules: ``diloco.island.planner``)."""
         return self.planner.plan(self.step, finishing=finishing, done_everywhere=self._done_everywhere,
                                  slot_holders=self.data.slot_holders(),
-                                 free_slots=self.data.free_slots(), now=time.monotonic())
+                                 free_slots=self.data.free_slots(), now=time.monotonic(),
+                                 progress_at=self.client.liveness.any_progress_at if self.client else -1.0)
 
     def _push_all(self, orders: Orders, events: list[dict]) -> float:
         """Snapshot each pushed fragment (training thread) and hand the rest to the background."""

@@ -205,7 +205,9 @@ class StartFinish:
     def finish(self) -> list[int]:
         """After the last step: keep answering rounds (the syncer's flush rounds take each
         fragment's real remaining delta and step count) until the final cut arrives, install
-        it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions."""
+        it unblended, acknowledge, and wait for SHUTDOWN. Returns the final versions. Gives up
+        after ``final_timeout_s`` in which nothing moved at the syncer or on our link (a slow
+        link still carrying flush rounds or the final cut keeps it waiting)."""
         deadline = time.monotonic() + self.cfg.final_timeout_s
         if self.is_sync:
             assert self.client is not None
@@ -254,19 +256,20 @@ class StartFinish:
 
     def _finish_orders(self, deadline: float, acked: bool) -> Orders:
         assert self.client is not None
+        deadline = max(deadline, self.client.liveness.any_progress_at + self.cfg.final_timeout_s)
         try:
             self.client.wait_event(0.05)
             if acked:
                 if self.client.shutdown_reason is not None:
                     return Orders(stop=self.client.shutdown_reason)
                 if time.monotonic() > deadline:
-                    return Orders(error=f"no SHUTDOWN from the syncer within {self.cfg.final_timeout_s:.0f}s")
+                    return Orders(error=f"no SHUTDOWN from the syncer, and no progress, for {self.cfg.final_timeout_s:.0f}s")
                 return Orders()  # the final cut is installed: nothing is applied or pushed after it
             elif self.client.final_received() > 0:
                 return Orders(final=True)  # installed fragment by fragment as they arrive
             if time.monotonic() > deadline:
                 what = "SHUTDOWN" if acked else "the final cut"
-                return Orders(error=f"no {what} from the syncer within {self.cfg.final_timeout_s:.0f}s")
+                return Orders(error=f"no {what} from the syncer, and no progress, for {self.cfg.final_timeout_s:.0f}s")
             if self.client.shutdown_reason is not None and not acked:
                 return Orders(error=f"the syncer shut down before sending the final cut: "
                                     f"{self.client.shutdown_reason}")

@@ -224,12 +224,14 @@ class Planner:
 
     # ------------------------------------------------------------------ sync rank: the decision
     def plan(self, step: int, *, finishing: bool, done_everywhere: int, slot_holders: frozenset[int],
-             free_slots: int, now: float) -> Orders:
+             free_slots: int, now: float, progress_at: float = -1.0) -> Orders:
         """The boundary's orders: install what is staged everywhere (background job
         ``<= done_everywhere``), stage what arrived, answer pulls, and (synchronous rounds) hold.
 
         ``slot_holders``: the fragments whose snapshot a slot of the data path holds;
-        ``free_slots``: how many slots are free (``YETO_DILOCO_SNAPSHOT_SLOTS`` in all)."""
+        ``free_slots``: how many slots are free (``YETO_DILOCO_SNAPSHOT_SLOTS`` in all);
+        ``progress_at``: when anything at the syncer or on our link last moved (a hold gives up
+        only after ``sync_timeout_s`` with no progress anywhere)."""
         installs = [s.staging.value for s in self.slots if s.staging is not None and s.staging.seq <= done_everywhere]
         installing = {v.fragment for v in installs}
         stages = [_value_of(s.pending) for s in self.slots
@@ -237,7 +239,7 @@ class Planner:
         orders = Orders(applies=installs, stages=stages, stale=self._stale_new)
         self._stale_new = []
         orders.pushes = self._take_pushes(orders, finishing, slot_holders, free_slots)
-        orders.hold = self.sync_rounds and not finishing and self._holding(orders, step, now)
+        orders.hold = self.sync_rounds and not finishing and self._holding(orders, step, now, progress_at)
         self.decisions += 1
         return orders
 
@@ -287,12 +289,13 @@ class Planner:
         assert staging is not None
         return staging.mode
 
-    def _holding(self, orders: Orders, step: int, now: float) -> bool:
+    def _holding(self, orders: Orders, step: int, now: float, progress_at: float) -> bool:
         """Does a round that opens at this very step still lack its install?
 
         Holding only at that step (never for a round already passed) keeps a late joiner or a
         resumed syncer, whose rounds restart elsewhere, from waiting for rounds that will not
-        come; a hold longer than ``sync_timeout_s`` is given up with a warning."""
+        come; a hold is given up with a warning after ``sync_timeout_s`` in which nothing moved
+        (a slow link that is making progress keeps it)."""
         h, total = self.schedule
         if h <= 0 or (total > 0 and step > total):
             return False
@@ -304,7 +307,7 @@ class Planner:
             return False
         if self._held_at[0] != step:
             self._held_at = (step, now)
-        elif now - self._held_at[1] > self.sync_timeout_s:
+        elif now - max(self._held_at[1], progress_at) > self.sync_timeout_s:
             log.warning("island %d: round %s of step %d not installed after %.0fs: training on without it",
                         self.island, waiting, step, now - self._held_at[1])
             return False

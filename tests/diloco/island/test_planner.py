@@ -40,6 +40,8 @@ class Boundary:
         self.pushed: list[tuple[PushOrder, int]] = []
         self.modes: dict[int, str] = {}
         self.now = 0.0
+        self.progress_at = -1.0
+        """When anything last moved at the syncer or on the link (the client's liveness)."""
 
     def train_step(self) -> None:
         self.step += 1
@@ -54,7 +56,7 @@ class Boundary:
         self.p.park(bcasts, pulls, stale)
         orders = self.p.plan(self.step, finishing=finishing, done_everywhere=self.done,
                              slot_holders=frozenset(self.holders), free_slots=self.slots - len(self.holders),
-                             now=self.now)
+                             now=self.now, progress_at=self.progress_at)
         orders = Orders.from_json(orders.to_json()) if not orders.is_idle() else orders  # as the other ranks see it
         for v in orders.applies:
             st = self.p.take_staged(v.fragment)
@@ -331,3 +333,15 @@ def test_a_later_round_does_not_take_the_slot_an_earlier_waiting_pull_needs() ->
     b.train_step()
     orders = b.run(pulls=[pull(3, 4), pull(0, 5)], staged_done=False)
     assert PushOrder(0, 5, 0) not in orders.pushes and 0 not in b.holders
+
+
+def test_a_hold_lasts_while_anything_moves_and_ends_after_the_timeout_without_progress() -> None:
+    b = anchored(2, sync_rounds=True, sync_timeout_s=5.0)
+    b.p.schedule = (4, 0)
+    b.train_step()
+    b.train_step()
+    assert b.run().hold, "round 1 opens at step 2 and is not installed"
+    b.now, b.progress_at = 20.0, 18.0  # a slow link: the value is still streaming in
+    assert b.run().hold, "progress 2 s ago: still holding after 20 s"
+    b.now = 23.5
+    assert not b.run().hold, "nothing moved for 5.5 s: train on without it"
