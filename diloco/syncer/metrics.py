@@ -95,7 +95,7 @@ class MetricsSnapshot:
     refusals: dict[str, int]
     """Refusals by reason: the core's codes, plus ``wire`` (undecodable or unauthenticated)."""
     clipped: dict[str, int]
-    """Pushes clipped by reason (the core keeps no such count: always empty; kept for the scrape's shape)."""
+    """Pushes changed by the robust rules, by reason: ``clipped`` (norm), ``capped`` (weight), ``clamped`` (counts)."""
     bytes_in: int
     bytes_out: int
     commit_buckets: tuple[int, ...]
@@ -238,7 +238,7 @@ class SyncerMetrics:
             rounds_failed=c.failed, repulls=c.repulled + g.open_attempts, open_rounds=g.open_rounds,
             oldest_open_round_age_s=g.oldest_open_round_age_s,
             versions_published=g.versions_published, islands=tuple(views),
-            refusals=refusals, clipped={},
+            refusals=refusals, clipped=dict(g.clipped),
             bytes_in=getattr(loop, "bytes_in", 0), bytes_out=getattr(loop, "bytes_out", 0),
             commit_buckets=tuple(cumulative), commit_sum_s=c.latency_sum, commit_count=c.latency_count,
             resident_bytes=resident_bytes(), buffer_bytes={**g.buffer_bytes, "backlog": int(loop.data.backlog_bytes)},

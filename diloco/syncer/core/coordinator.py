@@ -201,7 +201,7 @@ class Coordinator:
         return Gauges(self.phase, len(rounds), sum(r.attempt for r in rounds),
                       max((now - r.attempt_started for r in rounds), default=0.0),
                       sum(f.version for f in self.fragments), islands, dict(self.journal.refused_by),
-                      self.buffer_bytes())
+                      self.buffer_bytes(), self.reference.totals())
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of the model-sized buffers, by kind (each tensor counted once)."""

@@ -68,3 +68,5 @@ class Gauges:
     refused_by: dict[str, int]
     buffer_bytes: dict[str, int]
     """Model-sized buffers by kind (value, momentum, running_sums, pool_idle), each tensor once."""
+    clipped: dict[str, int]
+    """Pushes clipped (norm), capped (weight) and clamped (counts), summed over islands."""

@@ -190,15 +190,20 @@ class Reference:
         """A callback for :class:`PartBound`: the norm of one folded part of this push."""
         def add(norm: float) -> None:
             with self._lock:
-                cur, acc = self._acc.get(fragment, (round_, {}))
-                if round_ > cur:
-                    self._finish(fragment, acc)
-                    cur, acc = round_, {}
+                cur, acc = self._current(fragment, round_)
                 if round_ == cur:
                     sq, count = acc.get(island, (0.0, 0))
                     acc[island] = (sq + norm * norm, count + n)
-                self._acc[fragment] = (cur, acc)
         return add
+
+    def _current(self, fragment: int, round_: int) -> tuple[int, dict[int, tuple[float, int]]]:
+        """(round, per-island sums) being accumulated for ``fragment``, moved on to ``round_`` when
+        that is later: the earlier round's sums become the reference (caller holds the lock)."""
+        cur, acc = self._acc.setdefault(fragment, (round_, {}))
+        if round_ > cur:
+            self._finish(fragment, acc)
+            cur, acc = self._acc[fragment] = (round_, {})
+        return cur, acc
 
     def _finish(self, fragment: int, acc: dict[int, tuple[float, int]]) -> None:
         rms = [math.sqrt(sq / n) for sq, n in acc.values() if n > 0]
@@ -216,10 +221,7 @@ class Reference:
         ``refuse_factor``, clipped beyond ``clip_factor`` x the fragment's reference RMS x sqrt(n)
         (no norm bound before the fragment has a reference)."""
         with self._lock:
-            cur, acc = self._acc.get(fragment, (round_, {}))
-            if round_ > cur:  # a later round of the fragment: the earlier one's folds are all in
-                self._finish(fragment, acc)
-                self._acc[fragment] = (round_, {})
+            self._current(fragment, round_)  # a later round: the earlier one's folds are all in
             ref = self.rms.get(fragment)
         b = PartBound(sink=self.sink(fragment, round_, island, n))
         if ref is not None:
@@ -232,6 +234,11 @@ class Reference:
                             "the fragment's reference)", island, round_, norm, clip)
             b.on_clip = clipped
         return b
+
+    def totals(self, kinds: tuple[str, ...] = ("clipped", "capped", "clamped")) -> dict[str, int]:
+        """Counts of ``kinds`` summed over islands (the metrics' "clipped by reason")."""
+        with self._lock:
+            return {k: n for k in kinds if (n := sum(t.get(k, 0) for t in self.tally.values()))}
 
     def summary(self) -> str:
         """``i<island>:<what><count>,...`` for the status line (empty: nothing happened)."""

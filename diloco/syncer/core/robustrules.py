@@ -22,10 +22,9 @@ def push_weight_of(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
     """The weight of a push accepted at its part 0: counts clamped, weight capped, both logged."""
     if not r.pushes:  # the attempt's first push: judged by nothing when no weight was seen yet
         r.unjudged = not reference.last_rates
-    others = [p.weight / max(clamped_steps(cfg, p.local_steps), 1) for p in r.pushes.values() if p.weight > 0]
-    if not others:
-        others = list(reference.last_rates.get(r.fragment, ())) or [
-            x for rates in reference.last_rates.values() for x in rates]
+    rates = [p.weight / max(clamped_steps(cfg, p.local_steps), 1) for p in r.pushes.values() if p.weight > 0]
+    others = rates or list(reference.last_rates.get(r.fragment, ())) or [
+        x for fragment_rates in reference.last_rates.values() for x in fragment_rates]
     weight, steps, notes = robust_weight(h.local_steps, h.tokens, cfg.weighting, cfg.sync_every,
                                          cfg.max_steps_factor, cfg.max_tokens_per_step, others, cfg.weight_factor)
     for note in notes:
@@ -33,7 +32,6 @@ def push_weight_of(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
         reference.count(h.island, what)
         log.warning("island %d round %d: %s", h.island, r.round, note)
         journal.events.append({"time": now, "round": r.round, "island": h.island, what: note})
-    rates = [p.weight / max(clamped_steps(cfg, p.local_steps), 1) for p in r.pushes.values() if p.weight > 0]
     reference.rates_seen(r.fragment, [*rates, weight / max(steps, 1)])
     return weight
 
