@@ -375,7 +375,11 @@ class FragmentTransfer:
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            asm.dest(seg).copy_(self._read(h, seg.n, delta))
+            # Straight into its place (a device master copied down once, no temporary host copy).
+            dest = asm.dest(seg)
+            dest.copy_(self._pieces[h.piece].master[h.off : h.off + seg.n])
+            if delta:
+                dest.sub_(self._anchors[h.piece][h.off : h.off + seg.n])
         self._wait(works)
         return asm.finish()
 
