@@ -44,7 +44,7 @@ from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
 from diloco.protocol import session
 from diloco.security import secure_client
-from diloco.wire.pacing import Pacer
+from diloco.wire.pacing import Pacer, send_tracked
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class SyncClient:
 
     def _new_pacer(self, sock: zmq.Socket) -> Pacer:
         def send(_dest: bytes, frames: list, track: bool) -> object:
-            return sock.send_multipart(frames, copy=False, track=track, flags=zmq.NOBLOCK)
+            return send_tracked(sock, frames, zmq.NOBLOCK, track)
 
         pacer = Pacer(WINDOW, send)
         self._streams = self.protocol.streams_after_redial(self._streams)

@@ -60,7 +60,7 @@ from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
 from diloco.syncer.core.records import Outgoing, OutStream
 from diloco.syncer.store import CheckpointStore
 from diloco.wire import Bcast, Final, Limits, Pull, WireError, digest_seed, encode, open_message, seal
-from diloco.wire.pacing import Pacer, Stream
+from diloco.wire.pacing import Pacer, Stream, send_tracked
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class SyncerLoop:
         self._events.flush()
 
     def _send_tracked(self, peer: bytes, frames: list[Any], track: bool) -> Any:
-        tracker = self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False, track=track)
+        tracker = send_tracked(self.sock, [peer, *frames], zmq.NOBLOCK, track)
         self.bytes_out += frames_nbytes(frames)
         return tracker
 

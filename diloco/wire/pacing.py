@@ -57,6 +57,25 @@ class Stream:
     or a callable sealing them at that moment (so sequence numbers follow the send order)."""
 
 
+def send_tracked(sock: zmq.Socket, frames: list[Any], flags: int = 0, track: bool = True) -> zmq.MessageTracker | None:
+    """Send one multipart message without copying; with ``track``, a tracker that is done only
+    once zmq released **every** frame.
+
+    ``Socket.send_multipart(..., track=True)`` returns the tracker of the last frame alone, and a
+    frame below ``copy_threshold`` (64 KiB) is copied and reported done at once: a part whose
+    last segment is small looked released while its large frames were still queued, so its
+    buffer (a ring slot of the island's pushes) was reused under zmq and the part arrived
+    corrupted. Raises ``zmq.Again`` (nothing sent) like ``send_multipart`` with ``NOBLOCK``:
+    zmq accepts a multipart message whole or not at all."""
+    trackers = []
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        tracker = sock.send(frame, flags | (zmq.SNDMORE if i < last else 0), copy=False, track=track)
+        if track and tracker is not None and not tracker.done:
+            trackers.append(tracker)
+    return zmq.MessageTracker(*trackers) if track else None
+
+
 class Pacer:
     """Per-destination windows of parts in flight.  Not thread-safe: one owner thread.
 

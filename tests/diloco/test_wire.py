@@ -347,3 +347,36 @@ def test_receive_pool_reuses_freed_buffers_only() -> None:
     assert pool.idle_bytes == 2 << 20
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def test_send_tracked_is_done_only_once_every_frame_is_released() -> None:
+    """A large frame followed by a small (copied) one: ``send_multipart``'s tracker is the small
+    frame's and reports done at once; ``send_tracked`` waits for the large frame too."""
+    import numpy as np
+    import zmq
+
+    from diloco.wire.pacing import send_tracked
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        for s in (pull, push):
+            s.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVBUF, 1 << 16)
+        push.setsockopt(zmq.SNDBUF, 1 << 16)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        big = np.ones(16 << 20, dtype=np.uint8)  # far more than the socket buffers hold unread
+        naive = push.send_multipart([memoryview(big), b"tail"], copy=False, track=True)
+        assert naive.done  # the bug this guards against: only the copied tail is tracked
+        tracker = send_tracked(push, [memoryview(big), b"tail"])
+        assert tracker is not None and not tracker.done  # the big frame is still in zmq's hands
+        for _ in range(2):
+            frames = pull.recv_multipart(copy=False)
+            assert [len(f.buffer) for f in frames] == [16 << 20, 4]
+        tracker.wait(timeout=10)
+        assert tracker.done
+    finally:
+        pull.close()
+        push.close()
+        ctx.term()
