@@ -90,6 +90,7 @@ class Admission:
                     generation=h.generation,
                     nonce=rec.nonce,
                     weighting=cfg.weighting,
+                    initialised=tuple(f.initialised for f in self.book.fragments),
                 ),
             )
         )
@@ -119,7 +120,12 @@ class Admission:
         else:
             if h.schema:
                 raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")
-            if frag.layout is None or h.part != frag.init_next_part:
+            if frag.layout is None or h.part > frag.init_next_part:
+                # Earlier parts were lost on the way (a connection reset): island 0 redials and
+                # resumes INIT from the WELCOME, restarting this fragment from part 0.
+                raise Refused("init_gap", f"INIT part {h.part} of fragment {h.fragment}, expected part "
+                                          f"{frag.init_next_part if frag.layout is not None else 0}")
+            if h.part != frag.init_next_part:
                 raise Refused("bad_part", f"INIT part {h.part} of fragment {h.fragment}, expected part "
                                           f"{frag.init_next_part}")
             layout = frag.layout
@@ -136,6 +142,7 @@ class Admission:
             frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
             frag.value_absmax = [float("inf")] * layout.n_parts(E)
             frag.init_next_part = frag.init_done_parts = 0
+            frag.value_digest, frag.digesting = None, -1
         assert frag.value is not None
         lo, _hi = layout.part_range(h.part, E)
         frag.init_next_part += 1
