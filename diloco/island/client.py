@@ -65,15 +65,17 @@ class SyncClient:
             in plan order), to cut pushes into parts and check received ones.
         receive_target: where received values may land directly (the island's anchors);
             None: every received value is assembled in a pooled buffer.
+        claims: per fragment, the digest of the value the island starts from, claimed in HELLO
+            until :meth:`drop_claims` (see :class:`ClientProtocol`); None: none.
     """
 
     def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout],
-                 receive_target: ReceiveTarget | None = None) -> None:
+                 receive_target: ReceiveTarget | None = None, claims: list[str] | None = None) -> None:
         self._cfg = config
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.protocol = ClientProtocol(config, fingerprint, layouts, time.monotonic(), receive_target,
-                                       guard=self._lock)
+                                       guard=self._lock, claims=claims)
         """Every rule of the conversation (no I/O); this object only carries its effects out."""
         self._outbox: queue.Queue[Outgoing] = queue.Queue(maxsize=config.send_queue)
         self._control: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
@@ -172,6 +174,10 @@ class SyncClient:
         """Redial under a new generation (the syncer then sends its whole current cut again):
         for a start-up whose cut stopped arriving (a message lost without a send error)."""
         self._rejoin.set()
+
+    def drop_claims(self) -> list[int]:
+        """Claim nothing more (start-up is over); the fragments whose HELD was let go of."""
+        return self.protocol.drop_claims()
 
     def take_stale(self) -> list[tuple[int, int]]:
         """(fragment, round) of our pushes the syncer refused as ``stale_base`` since last asked."""

@@ -89,6 +89,8 @@ class Inbox:
     _nonce: int
     _recv_seq: int
     _feedback: quant.ErrorFeedback | None
+    _claims: list[str]
+    _init_held: tuple[bool, ...]
     _assembling: dict[tuple[str, int], _Assembly]
     _last_heard: float
     _backoff: float
@@ -194,6 +196,8 @@ class Inbox:
             self._on_pull(h)
         elif isinstance(h, wire.Bcast):
             self._on_bcast(h, tensors, arrival)
+        elif isinstance(h, wire.Held):
+            self._on_held(h)
         elif isinstance(h, wire.Final):
             if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
                 self._final[h.fragment] = (h, tensors)
@@ -279,6 +283,8 @@ class Inbox:
 
     def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)
+        if len(h.initialised) not in (0, self._n_fragments):
+            problem = f"initialised of {len(h.initialised)} fragments"
         if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments or problem:
             self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments "
                            f"({problem or 'parts ok'}), we speak {wire.PROTOCOL_VERSION} with {self._n_fragments}")
@@ -295,6 +301,7 @@ class Inbox:
                 # A redial after we acknowledged the final cut: the syncer forgot the ack.
                 out.send.append(self._final_ack)
             self._syncer_id = h.syncer_id
+            self._init_held = tuple(h.initialised)
             self._part_elems = h.part_elems
             self._nonce = h.nonce
             self._welcome = h
@@ -324,10 +331,30 @@ class Inbox:
         if h.version <= floor:
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
+        if self._claims:
+            self._claims[h.fragment] = ""  # its value is being replaced: a later HELLO claims nothing of it
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival,
                                                  h.commit_us)
+
+    def _on_held(self, h: wire.Held) -> None:
+        """A HELD notice: our claimed value of the fragment is the syncer's at ``version``; parked
+        as a cut without bytes. Only for a fragment we still claim (start-up); ignored otherwise."""
+        if not 0 <= h.fragment < self._n_fragments or h.version < 0 or h.round < 0:
+            self.stats.refused += 1
+            log.warning("island %d: refused a malformed HELD %s", self._cfg.island_id, h)
+            return
+        if not self._claims or not self._claims[h.fragment]:
+            log.warning("island %d: HELD for fragment %d which we do not claim: ignored (it comes with a later "
+                        "cut)", self._cfg.island_id, h.fragment)
+            return
+        if self._final or self._final_ack is not None or h.version <= self._accepted_version[h.fragment]:
+            return
+        self._accepted_version[h.fragment] = h.version
+        if self._feedback is not None:
+            self._feedback.reset(h.fragment)  # a cut: no residual of ours belongs to it
+        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, True, [], held=True)
 
 
 def _nbytes(frame: Any) -> int:

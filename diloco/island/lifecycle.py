@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from diloco import wire
 from diloco.config import IslandConfig
+from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
 from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
@@ -88,9 +89,10 @@ class StartFinish:
         ta = time.monotonic()
         budget = self.data.preallocate()
         alloc_s = time.monotonic() - ta
+        claims = self._claims() if self.cfg.skip_matching_cut and self.cfg.initial_cut_timeout_s > 0 else None
         if self.is_sync:
             self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan),
-                                     receive_target=self.data.receive_views)
+                                     receive_target=self.data.receive_views, claims=claims)
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
@@ -111,6 +113,16 @@ class StartFinish:
         apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
             apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
+        if self.client is not None:
+            # Training moves the masters from here on: nothing we hold may be claimed any more.
+            late = self.client.drop_claims()
+            if late:
+                log.warning("island %d: HELD of fragments %s came too late; they come with a later cut",
+                            self.cfg.island_id, late)
+        held = [e["fragment"] for e in events if e.get("type") == "cut" and e.get("held")]
+        if held and self.is_sync:
+            log.info("island %d: fragments %s already held the syncer's values: no cut downloaded for them",
+                     self.cfg.island_id, held)
         if self.is_sync and self.client is not None and not self.data.gathers_whole():
             budget["export_pool_max"] = self.transfer.pool_max_idle()
         else:
@@ -121,6 +133,26 @@ class StartFinish:
                  alloc_s, ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in budget.items()))
         self.sync_buffers = budget
         return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
+
+    def _claims(self) -> list[str] | None:
+        """Collective: per fragment, ``tensor_digest`` of the fp32 value this island starts from
+        (the sync rank's list; None elsewhere), what its HELLO claims. One fragment at a time: the
+        sync rank's own masters read in place where it holds a fragment whole on the host, else
+        that one fragment gathered (the same gather as INIT), so no copy of the model is made."""
+        t0 = time.monotonic()
+        digests: list[str] = []
+        for f in range(self.plan.n_fragments):
+            values = self.data.master_views(f)  # the sync rank only; then no other rank sends
+            if values is None:
+                values = self.transfer.export_fragment(f, delta=False)
+            if values is not None:
+                digests.append(tensor_digest(values))
+            del values
+        if not self.is_sync:
+            return None
+        log.info("island %d: digests of the %d fragments we start from, to claim in HELLO (%.2fs)",
+                 self.cfg.island_id, len(digests), time.monotonic() - t0)
+        return digests
 
     def _stream_init(self, events: list[dict]) -> None:
         """Send every fragment's fp32 value; gather k+1 while k is on the wire."""

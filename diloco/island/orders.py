@@ -34,6 +34,8 @@ class PendingBcast:
     install of it frees the anchors for received values only if no later value has begun."""
     commit_us: int = 0
     """The syncer's commit time of this version (BCAST ``commit_us``; 0: a cut, unknown)."""
+    held: bool = False
+    """A HELD notice (``tensors`` empty): the island's own value is this cut, bit for bit."""
 
 
 class Value(msgspec.Struct, frozen=True):
@@ -46,6 +48,8 @@ class Value(msgspec.Struct, frozen=True):
     """A cut (initial, rejoin): installed as it is, and it resets the fragment's round floor."""
     commit_us: int = 0
     """The syncer's commit time of this version, microseconds (0: a cut, or unknown)."""
+    held: bool = False
+    """A cut the island already holds (HELD): every rank anchors its own masters, no bytes move."""
 
 
 class PushOrder(msgspec.Struct, frozen=True):
