@@ -105,6 +105,10 @@ class ClientProtocol(Inbox, Outbox):
         """Per fragment, the digest of the value we hold and would take a cut over (``""``: none)."""
         self._init_held: tuple[bool, ...] = ()
         """The last WELCOME's ``initialised``: fragments whose INIT the syncer holds complete."""
+        self._init_done: set[int] = set()
+        """INIT fragments whose every part was handed to a socket (``Outbox.init_sent``)."""
+        self._init_lost: set[int] = set()
+        """INIT fragments sent whole on an old connection that the syncer lacks, to stream again."""
         # The connection's side only.
         self._seed = wire.digest_seed(config.key)
         self._nonce = 0

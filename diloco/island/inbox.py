@@ -91,6 +91,8 @@ class Inbox:
     _feedback: quant.ErrorFeedback | None
     _claims: list[str]
     _init_held: tuple[bool, ...]
+    _init_done: set[int]
+    _init_lost: set[int]
     _assembling: dict[tuple[str, int], _Assembly]
     _last_heard: float
     _backoff: float
@@ -206,9 +208,10 @@ class Inbox:
             self._shutdown = h.reason or "shutdown"
         elif isinstance(h, wire.Error):
             if h.code in _REJOIN_CODES:
-                # The syncer does not know our generation: it restarted (or dropped us).
-                log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
-                            h.code, h.reason)
+                # The syncer does not know our generation (it restarted, or dropped us), or parts
+                # of our INIT were lost: a new session, whose WELCOME says where INIT stands.
+                why = "parts of our INIT were lost" if h.code == "init_gap" else "the syncer does not know us"
+                log.warning("island %d: %s ([%s] %s), rejoining", self._cfg.island_id, why, h.code, h.reason)
                 out.redial_s = self._take_redial_delay()
                 return
             log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
@@ -301,7 +304,15 @@ class Inbox:
                 # A redial after we acknowledged the final cut: the syncer forgot the ack.
                 out.send.append(self._final_ack)
             self._syncer_id = h.syncer_id
-            self._init_held = tuple(h.initialised)
+            self._init_held = tuple(h.initialised) or (False,) * self._n_fragments
+            if h.need_init:
+                # Sent whole on an older connection, yet not held: lost with it (a reset drops
+                # what TCP held). The training thread streams them again; the rest resumes.
+                lost = {f for f in self._init_done if not self._init_held[f]}
+                self._init_lost |= lost
+                self._init_done -= lost
+            else:
+                self._init_done.clear()
             self._part_elems = h.part_elems
             self._nonce = h.nonce
             self._welcome = h

@@ -83,6 +83,7 @@ class StartFinish:
         t0 = time.monotonic()
         events: list[dict] = []
         need_init = False
+        to_init: list[int] = []
         error: str | None = None
         # The anchors and the snapshot slot first (pinned on accelerators): received values land
         # straight in the anchors, and no step pays for an allocation.
@@ -96,6 +97,8 @@ class StartFinish:
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
+                held = welcome.initialised or (False,) * self.plan.n_fragments
+                to_init = [f for f in range(self.plan.n_fragments) if need_init and not held[f]]
                 self.planner.schedule = (welcome.sync_every, welcome.total_steps)
                 if welcome.weighting == "tokens" and not self._tokens_given:
                     raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
@@ -105,11 +108,11 @@ class StartFinish:
                          self.plan.n_fragments, list(welcome.versions), ", streaming INIT" if need_init else "")
             except (TimeoutError, SyncError) as exc:
                 error = str(exc)
-        orders = broadcast_orders(Orders(init=need_init, error=error) if self.is_sync else None, self.group,
-                                  self.cfg.sync_rank)
+        orders = broadcast_orders(Orders(init=need_init, init_fragments=to_init, error=error) if self.is_sync
+                                  else None, self.group, self.cfg.sync_rank)
         self._raise_if(orders)
         if orders.init:
-            self._stream_init(events)
+            self._stream_init(events, orders.init_fragments)
         apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
             apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
@@ -154,13 +157,13 @@ class StartFinish:
                  self.cfg.island_id, len(digests), time.monotonic() - t0)
         return digests
 
-    def _stream_init(self, events: list[dict]) -> None:
-        """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
+    def _stream_init(self, events: list[dict], fragments: list[int]) -> None:
+        """Send these fragments' fp32 values (collective); gather the next while one is on the wire."""
         inflight: collections.deque = collections.deque()
         t0 = time.monotonic()
-        total = sum(self.plan.nbytes(f) for f in range(self.plan.n_fragments))
+        total = sum(self.plan.nbytes(f) for f in fragments)
         sent = 0
-        for f in range(self.plan.n_fragments):
+        for n, f in enumerate(fragments):
             error = None
             if self.is_sync:
                 while len(inflight) >= _INIT_INFLIGHT:
@@ -179,7 +182,7 @@ class StartFinish:
                                "data_bytes": sum(t.numel() * t.element_size() for _, t in values)})
                 del values
                 sent += self.plan.nbytes(f)
-                log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
+                log.info("INIT %d/%d fragments (fragment %d), %.1f/%.1f MiB, %.1fs", n + 1, len(fragments), f,
                          sent / 2**20, total / 2**20, time.monotonic() - t0)
         error = None
         if self.is_sync:
@@ -213,7 +216,11 @@ class StartFinish:
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()
-                    orders = Orders(applies=self.planner.pending_values())
+                    lost = self.client.take_init_lost()
+                    if lost:
+                        log.warning("island %d: the syncer lost INIT of fragments %s with a connection: "
+                                    "streaming them again", self.cfg.island_id, lost)
+                    orders = Orders(applies=self.planner.pending_values(), init_fragments=lost)
                     got = {v.fragment for v in orders.applies} | {s.fragment for s in self.planner.slots
                                                                  if s.version >= 0}
                     if len(got) == self.plan.n_fragments:
@@ -226,6 +233,9 @@ class StartFinish:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
+            if orders.init_fragments:
+                self._stream_init(events, orders.init_fragments)
+                progress_at = time.monotonic()
             apply_s += self._install_initial(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(s.version >= 0 for s in self.planner.slots)
