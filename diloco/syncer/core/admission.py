@@ -18,7 +18,7 @@ from diloco.syncer.core.checks import Refused, check_schema
 from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.core.effects import Journal, Out, final
 from diloco.syncer.core.finalize import Finalize
-from diloco.syncer.core.records import Outgoing
+from diloco.syncer.core.records import FragmentRecord, Outgoing
 from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
@@ -90,7 +90,7 @@ class Admission:
                     generation=h.generation,
                     nonce=rec.nonce,
                     weighting=cfg.weighting,
-                    initialised=tuple(f.initialised for f in self.book.fragments),
+                    initialised=tuple(self._holds_init(f) for f in self.book.fragments),
                 ),
             )
         )
@@ -99,6 +99,12 @@ class Admission:
             log.info("island %d rejoined while finalizing: FINAL again", h.island)
             rec.final_digests = ()
             out.extend(final(rec, frag, self.book.versions()) for frag in self.book.fragments)
+
+    def _holds_init(self, frag: FragmentRecord) -> bool:
+        """Whether ``frag`` needs no more INIT: it has its value, or every part of it was accepted
+        (the data plane is copying the last ones in)."""
+        return frag.initialised or (frag.layout is not None
+                                    and frag.init_next_part == frag.layout.n_parts(self.config.part_elems))
 
     def on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
         """Take one INIT part of island 0 (in order; part 0 carries the schema and restarts the stream)."""

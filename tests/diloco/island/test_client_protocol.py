@@ -270,3 +270,10 @@ def test_start_up_over_claims_nothing_and_lets_go_of_parked_helds() -> None:
     p.handle(s.welcome(GEN + 1), now=2.0)
     p.handle(s.frames(wire.Bcast(fragment=1, version=0, round=0, cut=True), [("w", torch.ones(3))]), now=2.0)
     assert [b.fragment for b in p.take_bcasts()] == [1]
+
+
+def test_an_init_gap_makes_island_0_redial() -> None:
+    p, s = _joined()
+    eff = p.handle(s.frames(wire.Error(code="init_gap", reason="INIT part 5 of fragment 1, expected part 3")),
+                   now=1.0)
+    assert eff.redial_s == 0.0 and not p.failed()

@@ -109,3 +109,21 @@ def test_islands_starting_from_the_same_weights_download_no_cut(tmp_path: Path) 
         assert cut.links[i].bytes[linkemu.DOWN] - res.links[i].bytes[linkemu.DOWN] >= model
     print("start-up s, claims:", [round(r["start_s"], 2) for r in res.islands],
           "cut downloaded:", [round(r["start_s"], 2) for r in cut.islands])
+
+
+def test_a_reset_mid_init_resumes_it_and_sends_no_fragment_twice(tmp_path: Path) -> None:
+    # Island 0's uplink dies 3 MB into its INIT (4 MiB, 2 fragments): fragment 0 is in, fragment 1
+    # is cut off (what TCP held is lost). Island 0 learns it either from the syncer (init_gap: later
+    # parts came without the lost ones) or when its cut stops arriving; it redials, and its WELCOME
+    # says the syncer holds fragment 0: only fragment 1 is streamed again, from part 0. Island 1
+    # (same seed) is told HELD for both.
+    res = wan_harness.run(_settings(faults={0: lambda emu: emu.arm_reset(linkemu.UP, 3_000_000)}), tmp_path)
+    _check_identical(res)
+    assert res.links[0].resets == 1 and res.islands[0]["redials"] >= 1
+    assert "init_gap" in res.syncer_log or "the syncer lost INIT of fragments [1]" in res.island_logs[0]
+    for f in range(2):
+        assert res.syncer_log.count(f"fragment {f} initialised by island 0") == 1
+    assert "duplicate_init" not in res.syncer_log  # nothing the syncer held came again
+    handed = [e["fragment"] for e in _start_record(res, 0)["events"] if e["type"] == "init"]
+    assert handed.count(0) == 1 and 1 <= handed.count(1) <= 2  # fragment 0 once; 1 again only if lost whole
+    assert "island 1: fragments 0-1 match the syncer's values, no cut needed" in res.syncer_log
