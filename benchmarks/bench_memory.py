@@ -17,6 +17,7 @@ bytes M, measured in this run:
 | syncer_peak_over_model | (syncer peak − its RSS before any island joined) / M, momentum 0 | ≤ 1.3 |
 | syncer_peak_over_model_momentum | the same with --outer-momentum 0.9 | ≤ 2.3 |
 | released_after_final | (island peak − RSS after finish) / (island peak − baseline peak) | ≥ 0.9 |
+| rank_anchor_over_slice | world-2 islands (megatron-core GPT: TP2, and DistributedOptimizer over DP2): the largest rank's anchors / its own slice's fp32 bytes | ≤ 1.1 |
 
 The last line printed is one JSON object with these keys (and the raw MiB figures).
 """
@@ -178,6 +179,52 @@ def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wir
     return {"islands": res, "syncer_idle_kib": syncer_idle, "syncer_peak_kib": syncer_peak}
 
 
+def world2(args: argparse.Namespace, work: Path) -> dict:
+    """Two world-2 islands (``diloco.demo.island``: megatron-core GPT, gloo; TP2 and DP2 with the
+    distributed optimizer) and a real syncer; each rank's sync buffers and own slice, as the
+    islands report them."""
+    run = work / "world2"
+    run.mkdir()
+    (run / "key").write_text(KEY)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "YETO_SYNC_KEY": KEY}
+    steps = 8 if args.smoke else 16
+    with open(run / "syncer.log", "w") as slog:
+        syncer = subprocess.Popen(
+            [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--islands", "2", "--sync-every",
+             str(steps // 2), "--total-steps", str(steps), "--key-file", str(run / "key")],
+            stderr=slog, start_new_session=True, env=env)
+    islands: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"bound (tcp://\S+)", (run / "syncer.log").read_text())):
+            if syncer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the syncer did not start: {run}/syncer.log")
+            time.sleep(0.05)
+        hidden = "64" if args.smoke else "256"
+        for i, layout in enumerate(("tp2", "dp2")):
+            with open(run / f"island{i}.log", "w") as lf:
+                islands.append(subprocess.Popen(
+                    [sys.executable, "-m", "diloco.demo.island", "--name", f"island{i}", "--island-id", str(i),
+                     "--layout", layout, "--sync-addr", m.group(1), "--steps", str(steps), "--fragments", "2",
+                     "--out", str(run), "--hidden", hidden, "--layers", "4", "--seq", "16", "--micro-batch", "2",
+                     "--data-seed", str(i), "--timeout-s", str(args.timeout_s)],
+                    stdout=lf, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+        for i, p in enumerate(islands):
+            if p.wait(timeout=args.timeout_s) != 0:
+                raise RuntimeError(f"world2: island {i} failed; its log ends:\n"
+                                   f"{(run / f'island{i}.log').read_text()[-3000:]}")
+        syncer.wait(timeout=120)
+    finally:
+        for p in [*islands, syncer]:
+            if p.poll() is None:
+                p.kill()
+    ranks = [rank for i in range(2) for rank in json.loads((run / f"island{i}.json").read_text())["ranks"]]
+    worst = max(r["sync_buffers"]["anchors"] / r["slice_bytes"] for r in ranks)
+    log.info("world2: anchors / own slice per rank %s",
+             [round(r["sync_buffers"]["anchors"] / r["slice_bytes"], 3) for r in ranks])
+    return {"rank_anchor_over_slice": round(worst, 3), "ranks": ranks}
+
+
 def baseline(args: argparse.Namespace, work: Path) -> dict:
     result = work / "baseline.json"
     subprocess.run(_island_cmd(args, 0, "", result, 4, "float32", no_sync=True), check=True,
@@ -191,7 +238,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=24, help="training steps (3 rounds per fragment at 4 fragments)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: the suite runs it")
     p.add_argument("--timeout-s", type=float, default=900.0)
-    p.add_argument("--only", default="", help="comma-separated runs to measure (fp32_4f, fp32_8f, q4_4f, momentum); "
+    p.add_argument("--only", default="", help="comma-separated runs to measure (fp32_4f, fp32_8f, q4_4f, momentum, world2); "
                    "the keys of runs left out are null. Default: all")
     p.add_argument("--syncer-args", default="", help="extra yeto-syncer flags for every run, e.g. "
                    "'--max-open-rounds 1'")
@@ -217,11 +264,12 @@ def main() -> int:
 
         plan = {"fp32_4f": (4, "float32", 0.0), "fp32_8f": (8, "float32", 0.0), "q4_4f": (4, "q4", 0.0),
                 "momentum": (4, "float32", 0.9)}
-        only = [n for n in args.only.split(",") if n] or list(plan)
-        unknown = sorted(set(only) - set(plan))
+        only = [n for n in args.only.split(",") if n] or [*plan, "world2"]
+        unknown = sorted(set(only) - set(plan) - {"world2"})
         if unknown:
-            p.error(f"--only: unknown runs {unknown} (known: {sorted(plan)})")
+            p.error(f"--only: unknown runs {unknown} (known: {sorted(plan)} and world2)")
         runs = {name: measure(args, work, name, *plan[name]) for name in plan if name in only}
+        w2 = world2(args, work) if "world2" in only else None
     main_run = runs.get("fp32_4f")
     released = None if main_run is None else min(
         (r["peak_kib"] - r["rss_after_kib"]) / max(1, r["peak_kib"] - base["peak_kib"]) for r in main_run["islands"])
@@ -243,6 +291,7 @@ def main() -> int:
         "syncer_peak_over_model": syncer(main_run),
         "syncer_peak_over_model_momentum": syncer(runs.get("momentum")),
         "released_after_final": None if released is None else round(released, 3),
+        "rank_anchor_over_slice": None if w2 is None else w2["rank_anchor_over_slice"],
     }
     print(json.dumps(out))
     return 0

@@ -56,7 +56,9 @@ class _Assembly:
     """A BCAST or FINAL arriving part by part into one flat view per tensor."""
 
     header: wire.Bcast | wire.Final
-    views: list[torch.Tensor]
+    views: list[torch.Tensor] | None
+    """Where the parts land; None: a FINAL of a fragment whose final value is already in (a resend):
+    its parts are checked and dropped, so a resend costs no buffer and never writes a value in use."""
     arrival: int = 0
     next_part: int = 0
 
@@ -261,28 +263,41 @@ class Inbox:
         key = (kind, h.fragment)
         asm = self._assembling.get(key)
         if h.part == 0:
-            # Straight into the anchors only when no other stream of this fragment is arriving
-            # and no final value of it is in: two streams must never write one buffer. The final
-            # cut never does: it lands in a pooled buffer and is installed one fragment at a time,
-            # so a resent FINAL cannot write an anchor before the installed value's digest is taken.
-            busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final \
-                or isinstance(h, wire.Final)
-            views, arrival = (None, 0) if self.receive_target is None else self.receive_target(h.fragment, dtype,
-                                                                                                 busy)
-            if views is None:
-                flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
-                views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
-            asm = self._assembling[key] = _Assembly(h, views, arrival)
+            asm = self._assembling[key] = self._begin_value(h, layout, dtype, key)
         elif asm is None or asm.next_part != h.part or asm.header.version != h.version:
             raise wire.WireError(f"part {h.part} of version {h.version} out of order")
-        lo, hi = layout.part_range(h.part, self._part_elems)
-        opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)])  # check_part: same segments
+        if asm.views is not None:
+            lo, hi = layout.part_range(h.part, self._part_elems)
+            opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)])  # check_part: same segments
         asm.next_part += 1
         if asm.next_part < h.n_parts:
             return None
         del self._assembling[key]
+        if asm.views is None:
+            return None  # a resent FINAL of a fragment already in: nothing to deliver
         return (asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)],
                 asm.arrival)
+
+    def _begin_value(self, h: wire.Bcast | wire.Final, layout: wire.FragmentLayout, dtype: str,
+                     key: tuple[str, int]) -> _Assembly:
+        """Where a value beginning to arrive lands: nowhere (a FINAL of a fragment whose final value
+        is already in, or after we acknowledged the final cut), straight into the anchors (the
+        fragment is quiet: ``receive_target``), else one pooled buffer.
+
+        Two streams never write one buffer: a value lands in the anchors only when no other
+        stream of its fragment is arriving, no final value of it is in, and the fragment is quiet
+        (no value of it outstanding). A final value that landed in the anchors leaves its fragment
+        busy, so nothing later writes them before its digest is taken and it is installed; a
+        resent FINAL is dropped part by part. The final cut therefore costs no buffer of its own
+        when its fragments are quiet, and at most one pooled fragment each otherwise."""
+        if isinstance(h, wire.Final) and (h.fragment in self._final or self._final_ack is not None):
+            return _Assembly(h, None)
+        busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final
+        views, arrival = (None, 0) if self.receive_target is None else self.receive_target(h.fragment, dtype, busy)
+        if views is None:
+            flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
+            views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
+        return _Assembly(h, views, arrival)
 
     def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)

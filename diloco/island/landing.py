@@ -14,11 +14,12 @@ cut** (after the last step). Each goes the same two steps on every rank, in the 
 What differs is a :class:`Landing`: whether staging runs on the background worker over the
 data group while training goes on (a round) or at once on the island group while no step
 runs (the two cuts); whether the progress correction may apply (only a round); whether the
-value is held pooled and installed one fragment at a time, its digest taken before the
-anchors see it (the final cut). The memory rules the path keeps: a received fp32 value may
-land in the anchors on arrival only while its fragment is quiet (``diloco.island.quiet``); the
-final cut never does (the client pools it, one fragment at a time) and its install leaves the
-fragment busy.
+value is installed one fragment at a time, its digest taken before its install (the final
+cut). The memory rules the path keeps: a received fp32 value may land in the anchors on
+arrival only while its fragment is quiet (``diloco.island.quiet``), else in one pooled buffer;
+the final cut's install leaves the fragment busy, and a resent FINAL of a fragment whose final
+value is in is dropped part by part (``diloco.island.inbox``), so the final cut costs no
+fragment-sized buffer when its fragments are quiet.
 
 Methods of :class:`diloco.island.boundary.Island` (a mixin, like ``diloco.island.lifecycle``).
 """
@@ -63,8 +64,8 @@ class Landing:
     progress: bool
     """The progress correction ``θ_now + (global − θ_push)`` may apply (planner's staging mode)."""
     final: bool
-    """Pooled and installed one fragment at a time with its digest taken first; its install
-    leaves the fragment busy (no later value lands in the anchors)."""
+    """Installed one fragment at a time with its digest taken first; its install leaves the
+    fragment busy (no later value lands in the anchors)."""
     fused_blend: bool
     """A ``blend`` install is one in-place multiply-add; else each term is rounded on its own."""
     record_mode: bool
@@ -195,8 +196,8 @@ class Landings:
     # ------------------------------------------------------------------ the final cut (finalization)
     def _install_final(self, events: list[dict]) -> float:
         """Install the final cut fragment by fragment as each arrives (collective): the sync rank
-        holds one fragment of it at a time, and digests each before it reaches the anchors.
-        Then acknowledge with the digests."""
+        digests each fragment as received (in its anchors, or a pooled buffer it lets go of once
+        staged) before installing it. Then acknowledge with the digests."""
         t0 = time.monotonic()
         deadline = time.monotonic() + self.cfg.final_timeout_s
         data_bytes = 0

@@ -22,6 +22,8 @@ BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py"))
 
 EXPECTED_KEYS: dict[str, set[str]] = {
     "bench_bridge.py": {"staged_cpu_vs_cpu_gloo", "per_op", "pinned_vs_pageable", "device"},
+    "bench_memory.py": {"island_extra_over_model", "syncer_peak_over_model", "released_after_final",
+                        "rank_anchor_over_slice"},
     "bench_lowbit.py": {"block", "q4_bytes_vs_fp32", "int8_bytes_vs_fp32", "quality_sweep"},
     "bench_quality.py": {"islands_vs_alone", "islands_vs_dp", "eval_loss", "settings"},
     "bench_security.py": {"fuzz", "slow_loris", "digests", "transport"},

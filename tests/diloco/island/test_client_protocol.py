@@ -129,7 +129,32 @@ def test_received_values_land_where_the_target_says() -> None:
     assert torch.equal(anchors, torch.full((3,), 2.0))
     bcast = p.take_bcasts()[0]
     assert bcast.arrival == 1 and bcast.tensors[0][1].data_ptr() == anchors.data_ptr()
-    assert calls[1] == (1, "float32", True)  # the final cut never lands in the anchors
+    assert calls[1] == (1, "float32", False)  # a final value of a quiet fragment may land in the anchors
+
+
+def test_the_final_cut_lands_in_quiet_anchors_and_a_resent_final_is_dropped() -> None:
+    anchors = [torch.zeros(3), torch.zeros(3)]
+    calls: list[tuple[int, str, bool]] = []
+
+    def target(f: int, dtype: str, busy: bool) -> tuple[list[torch.Tensor] | None, int]:
+        calls.append((f, dtype, busy))
+        return ([anchors[f]] if not busy else None), len(calls)
+
+    p, s = _protocol(), Syncer()
+    p.receive_target = target
+    p.hello(GEN)
+    p.handle(s.welcome(GEN), now=0.0)
+    final = wire.Final(fragment=0, version=4, n_fragments=2, versions=(4, 4))
+    p.handle(s.frames(final, [("w", torch.full((3,), 4.0))]), now=1.0)
+    assert torch.equal(anchors[0], torch.full((3,), 4.0)) and p.final_received() == 1
+    # A resend (the syncer's FINAL timer) is checked and dropped: no buffer, the anchor untouched.
+    p.handle(s.frames(final, [("w", torch.full((3,), 5.0))]), now=2.0)
+    assert torch.equal(anchors[0], torch.full((3,), 4.0)) and len(calls) == 1  # no buffer asked for
+    header, values = p.take_final(0) or (None, [])
+    assert header == final and values[0][1].data_ptr() == anchors[0].data_ptr()
+    p.handle(s.frames(final, [("w", torch.full((3,), 6.0))]), now=3.0)  # after it was taken, too
+    assert torch.equal(anchors[0], torch.full((3,), 4.0)) and p.take_final(0) == (header, [])
+    assert p.stats.refused == 0
 
 
 def test_rejoin_codes_a_restarted_syncer_and_fatal_refusals() -> None:
