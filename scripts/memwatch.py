@@ -3,8 +3,9 @@
     python scripts/memwatch.py OUT.json PATTERN [PATTERN ...] [--every-s 1]
 
 Runs until SIGTERM / SIGINT, then writes OUT.json: per process (pid, the first 160
-characters of its command line) the peak VmRSS seen and its last VmHWM, plus the host's peak
-used memory (MemTotal − MemAvailable) and the value at start. For the device runs of the
+characters of its command line) the peak VmRSS seen and its last VmHWM, a timeline of its VmRSS
+(``[unix time, MiB]`` whenever it moved by 64 MiB or more since the last point kept), plus the
+host's peak used memory (MemTotal − MemAvailable) and the value at start. For the device runs of the
 memory issue (docs/PERFORMANCE.md): start it before the syncer and the islands, stop it after.
 """
 
@@ -70,6 +71,10 @@ def main() -> None:
             rec["peak_rss_kib"] = max(rec["peak_rss_kib"], st.get("VmRSS", 0))
             rec["hwm_kib"] = max(rec["hwm_kib"], st.get("VmHWM", 0))
             rec["last_s"] = round(time.monotonic() - t0, 1)
+            rss_mib = st.get("VmRSS", 0) >> 10
+            line = rec.setdefault("rss_mib", [])
+            if not line or abs(rss_mib - line[-1][1]) >= 64:
+                line.append([round(time.time(), 1), rss_mib])
         time.sleep(args.every_s)
     Path(args.out).write_text(json.dumps({"host_used_start_kib": host0, "host_used_peak_kib": host_peak,
                                           "processes": sorted(procs.values(), key=lambda r: -r["hwm_kib"])},

@@ -159,8 +159,7 @@ class DataPath:
         step. Returns the bytes by kind (what the island logs)."""
         if self._slot is None:
             self._slot = dev.host_buffer(self._n_slots * self.slot_nbytes(), self._pinned).view(torch.float32)
-        for piece in range(len(self._x._pieces)):
-            self._x.anchor_of(piece)
+        self._x.allocate_anchors()
         return {"anchors": self._x.anchor_nbytes(), "snapshot_slots": self._slot.numel() * 4,
                 "pinned": self._slot.numel() * 4 if self._pinned else 0}
 

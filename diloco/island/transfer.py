@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from diloco.hostmem import zero_in_parallel
 from diloco.wire.hostpool import HostBufferPool
 from diloco.layout.base import (
     LayoutAdapter,
@@ -292,6 +293,16 @@ class FragmentTransfer:
             anchor = self._anchors[piece] = torch.zeros(p.end - p.start, dtype=torch.float32)
         return anchor
 
+    def allocate_anchors(self) -> None:
+        """Allocate every local piece's anchor now (start-up), zeroed by several threads
+        (:func:`diloco.hostmem.zero_in_parallel`): resident before the first value lands."""
+        fresh = []
+        for piece, p in enumerate(self._pieces):
+            if piece not in self._anchors:
+                fresh.append(torch.empty(p.end - p.start, dtype=torch.float32))
+                self._anchors[piece] = fresh[-1]
+        zero_in_parallel(fresh)
+
     def pool_max_idle(self) -> int:
         """Most bytes the export pool keeps idle (one fragment)."""
         return self._pool.max_idle_bytes
@@ -364,7 +375,11 @@ class FragmentTransfer:
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            asm.dest(seg).copy_(self._read(h, seg.n, delta))
+            # Straight into its place (a device master copied down once, no temporary host copy).
+            dest = asm.dest(seg)
+            dest.copy_(self._pieces[h.piece].master[h.off : h.off + seg.n])
+            if delta:
+                dest.sub_(self._anchors[h.piece][h.off : h.off + seg.n])
         self._wait(works)
         return asm.finish()
 
