@@ -9,7 +9,8 @@ the same run:
 
 * ``sync_share``: the islands' wall time outside their own steps during training, over training;
 * ``installed``: rounds whose commit changed the model during training, of those scheduled;
-* ``start_over_floor``: start-up time over its physical floor (INIT bytes / rate + one cut / rate);
+* ``start_over_floor``: start-up time over its physical floor (INIT bytes / rate: the islands start
+  from one seed and claim it, so no cut is downloaded, docs/PROTOCOL.md "Claimed values");
 * ``finish_over_floor``: finish time over its floor (one push of every fragment up, the final
   fp32 cut down);
 * ``predicted_s`` / ``measured_s``: one round's transfer (push up + broadcast down) as
@@ -65,7 +66,8 @@ def _case(name: str, rate: float, delay: float, dtype: str, args: argparse.Names
     scheduled = args.steps * args.fragments // args.sync_every
     installed = sum(1 for c in commits if c.get("changed") and not c.get("flush"))
     bcast = "bfloat16" if dtype in ("int8", "q4") else dtype
-    start_floor = model_bytes / rate + model_bytes * wire_bytes_per_elem(bcast) / 4 / rate  # INIT up, one cut down
+    # INIT up only: both islands start from one seed and claim it, so neither downloads its cut (HELD).
+    start_floor = model_bytes / rate
     finish_floor = model_bytes * wire_bytes_per_elem(dtype) / 4 / rate + model_bytes / rate  # pushes up, fp32 final
     fit = predict_fit(frag_elems, dtype, rate, rate, 2 * delay, args.sync_every, args.fragments, args.step_s)
     # Measured: one round's bytes (a push up, a broadcast down) at the throughput the finish achieved

@@ -98,6 +98,12 @@ class IslandConfig:
     syncer's initial cut, installing each fragment as it lands; 0 = do not wait (the cut is
     applied at the step boundaries as it arrives)."""
 
+    skip_matching_cut: bool = True
+    """``YETO_DILOCO_SKIP_MATCHING_CUT``: at start-up, hash every fragment's fp32 value (one
+    fragment at a time) and claim it in HELLO; a fragment the syncer holds bit for bit the same
+    value of is not downloaded (HELD), which halves start-up when every island starts from the
+    same checkpoint or seed. Needs ``initial_cut_timeout_s > 0``. 0: always download the cut."""
+
     step_log: str | None = None
     """``YETO_DILOCO_STEP_LOG``: path of the per-step JSON log written by sync rank 0
     (``{island}`` is replaced by the island id). Unset = no log."""
@@ -275,6 +281,7 @@ _ENV_OF: dict[str, str] = {
     "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
     "wire_dtype": "YETO_WIRE_DTYPE",
     "initial_cut_timeout_s": "YETO_DILOCO_INITIAL_CUT_TIMEOUT",
+    "skip_matching_cut": "YETO_DILOCO_SKIP_MATCHING_CUT",
     "step_log": "YETO_DILOCO_STEP_LOG",
     "writer": "in code only",
     "log_interval": "YETO_DILOCO_LOG_INTERVAL",
@@ -332,7 +339,7 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
     "apply_mode": "str", "pushes_in_flight": "int", "snapshot_slots": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
-    "wire_dtype": "str", "initial_cut_timeout_s": "float", "step_log": "str?", "writer": "any",
+    "wire_dtype": "str", "initial_cut_timeout_s": "float", "skip_matching_cut": "bool", "step_log": "str?", "writer": "any",
     "log_interval": "int", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
     "send_queue": "int", "quant_block": "int", "cross_node_gloo": "bool", "ranks_per_node": "int?", "sync_rank": "int",
@@ -413,6 +420,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 _PARSERS = {
     "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "snapshot_slots": _int_of, "sync_rounds": _bool_of,
     "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
+    "skip_matching_cut": _bool_of,
     "step_log": _str, "log_interval": _int_of, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,
     "connect_timeout_s": _float_of, "final_timeout_s": _float_of, "send_queue": _int_of, "quant_block": _int_of,
     "cross_node_gloo": _bool_of, "ranks_per_node": _int_of, "sync_rank": _int_of,

@@ -229,7 +229,7 @@ class Island(StartFinish, Landings):
         assert self.client is not None
         bcasts = []
         for b in self.client.take_bcasts():
-            problem = self._check_values(b.fragment, b.tensors)
+            problem = None if b.held else self._check_values(b.fragment, b.tensors)
             if problem:
                 log.warning("island %d: BCAST of fragment %d version %d refused: %s", self.cfg.island_id,
                             b.fragment, b.version, problem)

@@ -17,8 +17,8 @@ syncer, so a slow multi-GB transfer never looks like silence.
 On a socket error, a long silence, or a syncer that restarted (a new ``syncer_id``), the
 connection redials with backoff under a **new generation**: the syncer then refuses anything
 still in flight from the old connection, which keeps a half-sent push from being merged
-twice. INIT streams restart from part 0 on the new connection; pushes are dropped (the syncer
-pulls again). The connection's thread never dies silently: anything unexpected on it becomes
+twice. INIT resumes on the new connection where its WELCOME says the syncer stands (fragments it
+holds are not sent again); pushes are dropped (the syncer pulls again). The connection's thread never dies silently: anything unexpected on it becomes
 a fatal :class:`SyncError` that the boundary raises on every rank. State the two threads
 share is guarded by one lock (the protocol's ``guard``).
 """
@@ -65,15 +65,17 @@ class SyncClient:
             in plan order), to cut pushes into parts and check received ones.
         receive_target: where received values may land directly (the island's anchors);
             None: every received value is assembled in a pooled buffer.
+        claims: per fragment, the digest of the value the island starts from, claimed in HELLO
+            until :meth:`drop_claims` (see :class:`ClientProtocol`); None: none.
     """
 
     def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout],
-                 receive_target: ReceiveTarget | None = None) -> None:
+                 receive_target: ReceiveTarget | None = None, claims: list[str] | None = None) -> None:
         self._cfg = config
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.protocol = ClientProtocol(config, fingerprint, layouts, time.monotonic(), receive_target,
-                                       guard=self._lock)
+                                       guard=self._lock, claims=claims)
         """Every rule of the conversation (no I/O); this object only carries its effects out."""
         self._outbox: queue.Queue[Outgoing] = queue.Queue(maxsize=config.send_queue)
         self._control: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
@@ -172,6 +174,14 @@ class SyncClient:
         """Redial under a new generation (the syncer then sends its whole current cut again):
         for a start-up whose cut stopped arriving (a message lost without a send error)."""
         self._rejoin.set()
+
+    def take_init_lost(self) -> list[int]:
+        """INIT fragments the syncer lost with an old connection: stream them again."""
+        return self.protocol.take_init_lost()
+
+    def drop_claims(self) -> list[int]:
+        """Claim nothing more (start-up is over); the fragments whose HELD was let go of."""
+        return self.protocol.drop_claims()
 
     def take_stale(self) -> list[tuple[int, int]]:
         """(fragment, round) of our pushes the syncer refused as ``stale_base`` since last asked."""
@@ -316,15 +326,18 @@ class SyncClient:
             return send_tracked(sock, frames, zmq.NOBLOCK, track)
 
         pacer = Pacer(WINDOW, send)
+        # INIT streams wait for the new WELCOME (``_send_some``: resumed or let go of); pushes end.
         self._streams = self.protocol.streams_after_redial(self._streams)
-        for out in self._streams:
-            assert out.stream is not None
-            pacer.add(b"", out.stream)
         return pacer
 
     def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
         """Send control messages at once, start queued streams, top up the stream window."""
         p = self.protocol
+        if p.welcome is not None and any(o.stream is None for o in self._streams):
+            for out in p.resume_streams(self._streams):  # INIT parked by a redial: where the syncer stands
+                assert out.stream is not None
+                pacer.add(b"", out.stream)
+            self._streams = [o for o in self._streams if o.stream is not None]
         while p.welcome is not None:  # a message before WELCOME has no session: it would be refused
             try:
                 ctl = self._control.get_nowait()
@@ -346,11 +359,15 @@ class SyncClient:
         pacer.pump()
         still = []
         for out in self._streams:
-            assert out.stream is not None
+            if out.stream is None:  # parked until WELCOME
+                still.append(out)
+                continue
             d0, c0 = before.get(id(out.stream), (0, 0))
             p.count_sent(out.stream.data_bytes - d0, out.stream.control_bytes - c0, time.monotonic())
             if out.stream.done.is_set():
                 self.stats.messages_sent += out.stream.n_parts
+                if isinstance(out.header, wire.Init) and out.stream.ok:
+                    p.init_sent(out.header.fragment)
                 # Break the out <-> stream cycle now, so the tensors die by refcount (the caller
                 # bounds memory by waiting on ``sent``), not at the next garbage collection.
                 out.stream, out.tensors = None, []

@@ -56,11 +56,14 @@ class ClientProtocol(Inbox, Outbox):
         guard: held around every change of state the training thread reads (the
             connection's lock); ``contextlib.nullcontext()`` when one thread drives it.
         instance: this process's random instance number (the same across redials).
+        claims: per fragment, ``tensor_digest`` of the fp32 value the island starts from, claimed
+            in every HELLO until :meth:`drop_claims` (a fragment the syncer holds the same value
+            of is answered HELD, not streamed); None: no claims.
     """
 
     def __init__(self, config: IslandConfig, fingerprint: str, layouts: list[wire.FragmentLayout], now: float,
                  receive_target: ReceiveTarget | None = None, guard: AbstractContextManager[object] | None = None,
-                 instance: int | None = None) -> None:
+                 instance: int | None = None, claims: list[str] | None = None) -> None:
         self._cfg = config
         self._fingerprint = fingerprint
         self._layouts = list(layouts)
@@ -98,6 +101,14 @@ class ClientProtocol(Inbox, Outbox):
         """Our FINAL_ACK, resent after a redial during finalization (the syncer forgot it)."""
         self._step = 0
         self._done = False
+        self._claims: list[str] = list(claims) if claims and len(claims) == n else []
+        """Per fragment, the digest of the value we hold and would take a cut over (``""``: none)."""
+        self._init_held: tuple[bool, ...] = ()
+        """The last WELCOME's ``initialised``: fragments whose INIT the syncer holds complete."""
+        self._init_done: set[int] = set()
+        """INIT fragments whose every part was handed to a socket (``Outbox.init_sent``)."""
+        self._init_lost: set[int] = set()
+        """INIT fragments sent whole on an old connection that the syncer lacks, to stream again."""
         # The connection's side only.
         self._seed = wire.digest_seed(config.key)
         self._nonce = 0
@@ -126,7 +137,7 @@ class ClientProtocol(Inbox, Outbox):
                            fingerprint=self._fingerprint, n_fragments=self._n_fragments,
                            wire_dtype=self._cfg.wire_dtype, fragment_numel=tuple(lay.numel for lay in self._layouts),
                            quant_block=self._cfg.quant_block if self._feedback is not None else 0,
-                           instance=self._instance)
+                           instance=self._instance, holds=tuple(self._claims) if any(self._claims) else ())
         return wire.encode(hello, key=self._cfg.key)
 
     def connection_lost(self) -> None:
@@ -234,6 +245,18 @@ class ClientProtocol(Inbox, Outbox):
         with self._guard:
             self._final_ack = header
         return header
+
+    def drop_claims(self) -> list[int]:
+        """Start-up is over (training may move the masters): claim nothing in later HELLOs and let
+        go of HELD notices not taken yet (their fragments get a value at a later cut). Returns the
+        fragments whose HELD was let go of."""
+        with self._guard:
+            self._claims = []
+            dropped = [f for f, b in self._bcasts.items() if b.held]
+            for f in dropped:
+                del self._bcasts[f]
+                self._accepted_version[f] = -1
+            return dropped
 
     def take_stale(self) -> list[tuple[int, int]]:
         """(fragment, round) of our pushes the syncer refused as ``stale_base`` since last asked:

@@ -350,6 +350,16 @@ class DataPath:
         self._x._anchored.add(f)
         self.mark_quiet(f, self._staged_arrival.pop(f, -1))
 
+    def anchor_own(self, f: int) -> None:
+        """A cut of ``f`` this island already holds (HELD, start-up only, no step taken yet): its
+        anchors become this rank's own masters, which equal the syncer's value bit for bit. No
+        communication: every rank copies the runs it holds."""
+        dev.event_synchronize(self._install_event.pop(f, None))
+        for p, off, n in self._held[f]:
+            master = self._x._pieces[p].master[off : off + n]
+            self._x.anchor_of(p)[off : off + n].copy_(master)
+        self._x._anchored.add(f)
+
     # ------------------------------------------------------------------ background worker
     def _snap_of(self, p: int, off: int, n: int) -> torch.Tensor:
         """θ_push of a held run: the slot, or the master itself after a slotless snapshot."""

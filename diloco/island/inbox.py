@@ -91,6 +91,10 @@ class Inbox:
     _nonce: int
     _recv_seq: int
     _feedback: quant.ErrorFeedback | None
+    _claims: list[str]
+    _init_held: tuple[bool, ...]
+    _init_done: set[int]
+    _init_lost: set[int]
     _assembling: dict[tuple[str, int], _Assembly]
     _last_heard: float
     _backoff: float
@@ -196,6 +200,8 @@ class Inbox:
             self._on_pull(h)
         elif isinstance(h, wire.Bcast):
             self._on_bcast(h, tensors, arrival)
+        elif isinstance(h, wire.Held):
+            self._on_held(h)
         elif isinstance(h, wire.Final):
             if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
                 self._final[h.fragment] = (h, tensors)
@@ -204,9 +210,10 @@ class Inbox:
             self._shutdown = h.reason or "shutdown"
         elif isinstance(h, wire.Error):
             if h.code in _REJOIN_CODES:
-                # The syncer does not know our generation: it restarted (or dropped us).
-                log.warning("island %d: the syncer does not know us ([%s] %s), rejoining", self._cfg.island_id,
-                            h.code, h.reason)
+                # The syncer does not know our generation (it restarted, or dropped us), or parts
+                # of our INIT were lost: a new session, whose WELCOME says where INIT stands.
+                why = "parts of our INIT were lost" if h.code == "init_gap" else "the syncer does not know us"
+                log.warning("island %d: %s ([%s] %s), rejoining", self._cfg.island_id, why, h.code, h.reason)
                 out.redial_s = self._take_redial_delay()
                 return
             log.error("island %d: the syncer refused a message: [%s] %s", self._cfg.island_id, h.code, h.reason)
@@ -294,6 +301,8 @@ class Inbox:
 
     def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)
+        if len(h.initialised) not in (0, self._n_fragments):
+            problem = f"initialised of {len(h.initialised)} fragments"
         if h.protocol != wire.PROTOCOL_VERSION or len(h.versions) != self._n_fragments or problem:
             self._fatal = (f"syncer speaks protocol {h.protocol} with {len(h.versions)} fragments "
                            f"({problem or 'parts ok'}), we speak {wire.PROTOCOL_VERSION} with {self._n_fragments}")
@@ -310,6 +319,15 @@ class Inbox:
                 # A redial after we acknowledged the final cut: the syncer forgot the ack.
                 out.send.append(self._final_ack)
             self._syncer_id = h.syncer_id
+            self._init_held = tuple(h.initialised) or (False,) * self._n_fragments
+            if h.need_init:
+                # Sent whole on an older connection, yet not held: lost with it (a reset drops
+                # what TCP held). The training thread streams them again; the rest resumes.
+                lost = {f for f in self._init_done if not self._init_held[f]}
+                self._init_lost |= lost
+                self._init_done -= lost
+            else:
+                self._init_done.clear()
             self._part_elems = h.part_elems
             self._nonce = h.nonce
             self._welcome = h
@@ -339,10 +357,30 @@ class Inbox:
         if h.version <= floor:
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
+        if self._claims:
+            self._claims[h.fragment] = ""  # its value is being replaced: a later HELLO claims nothing of it
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival,
                                                  h.commit_us)
+
+    def _on_held(self, h: wire.Held) -> None:
+        """A HELD notice: our claimed value of the fragment is the syncer's at ``version``; parked
+        as a cut without bytes. Only for a fragment we still claim (start-up); ignored otherwise."""
+        if not 0 <= h.fragment < self._n_fragments or h.version < 0 or h.round < 0:
+            self.stats.refused += 1
+            log.warning("island %d: refused a malformed HELD %s", self._cfg.island_id, h)
+            return
+        if not self._claims or not self._claims[h.fragment]:
+            log.warning("island %d: HELD for fragment %d which we do not claim: ignored (it comes with a later "
+                        "cut)", self._cfg.island_id, h.fragment)
+            return
+        if self._final or self._final_ack is not None or h.version <= self._accepted_version[h.fragment]:
+            return
+        self._accepted_version[h.fragment] = h.version
+        if self._feedback is not None:
+            self._feedback.reset(h.fragment)  # a cut: no residual of ours belongs to it
+        self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, True, [], held=True)
 
 
 def _nbytes(frame: Any) -> int:

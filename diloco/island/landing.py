@@ -132,7 +132,8 @@ class Landings:
         f = value.fragment
         extra: dict = {"data_bytes": data_bytes, "mode": mode} if landing.record_mode else {"data_bytes": data_bytes}
         if value.cut:
-            events.append({"type": "cut", "fragment": f, "version": value.version, **extra})
+            held = {"held": True} if value.held else {}
+            events.append({"type": "cut", "fragment": f, "version": value.version, **extra, **held})
         else:
             events.append({"type": "apply", "fragment": f, "version": value.version, "round": value.round, **extra,
                            "lag_steps": lag, "commit_s": value.commit_us / 1e6})
@@ -170,6 +171,12 @@ class Landings:
         Returns the seconds spent."""
         t0 = time.monotonic()
         for value in orders.applies:
+            if value.held:  # the island's own value is this cut: anchor it, nothing moves
+                if self.is_sync:
+                    self.planner.take_pending(value.fragment)
+                self.data.anchor_own(value.fragment)
+                self._installed(INITIAL_CUT, value, "cut", events, 0)
+                continue
             values = None
             data_bytes = 0
             arrival = 0
@@ -182,8 +189,8 @@ class Landings:
             self._stage(INITIAL_CUT, value, values, arrival, mode)
             del values
             self._installed(INITIAL_CUT, value, mode, events, data_bytes)
-        if orders.applies:
-            self.transfer.refresh(v.fragment for v in orders.applies)
+        if any(not v.held for v in orders.applies):
+            self.transfer.refresh(v.fragment for v in orders.applies if not v.held)
         return time.monotonic() - t0
 
     # ------------------------------------------------------------------ the final cut (finalization)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from diloco import wire
 from diloco.config import IslandConfig
+from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
 from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
@@ -82,18 +83,22 @@ class StartFinish:
         t0 = time.monotonic()
         events: list[dict] = []
         need_init = False
+        to_init: list[int] = []
         error: str | None = None
         # The anchors and the snapshot slot first (pinned on accelerators): received values land
         # straight in the anchors, and no step pays for an allocation.
         ta = time.monotonic()
         budget = self.data.preallocate()
         alloc_s = time.monotonic() - ta
+        claims = self._claims() if self.cfg.skip_matching_cut and self.cfg.initial_cut_timeout_s > 0 else None
         if self.is_sync:
             self.client = SyncClient(self.cfg, self.fingerprint, fragment_layouts(self.plan),
-                                     receive_target=self.data.receive_views)
+                                     receive_target=self.data.receive_views, claims=claims)
             try:
                 welcome = self.client.wait_welcome(self.cfg.connect_timeout_s)
                 need_init = welcome.need_init and self.cfg.island_id == 0
+                held = welcome.initialised or (False,) * self.plan.n_fragments
+                to_init = [f for f in range(self.plan.n_fragments) if need_init and not held[f]]
                 self.planner.schedule = (welcome.sync_every, welcome.total_steps)
                 if welcome.weighting == "tokens" and not self._tokens_given:
                     raise SyncError("the syncer weighs pushes by tokens (--weighting tokens) but this island does "
@@ -103,14 +108,24 @@ class StartFinish:
                          self.plan.n_fragments, list(welcome.versions), ", streaming INIT" if need_init else "")
             except (TimeoutError, SyncError) as exc:
                 error = str(exc)
-        orders = broadcast_orders(Orders(init=need_init, error=error) if self.is_sync else None, self.group,
-                                  self.cfg.sync_rank)
+        orders = broadcast_orders(Orders(init=need_init, init_fragments=to_init, error=error) if self.is_sync
+                                  else None, self.group, self.cfg.sync_rank)
         self._raise_if(orders)
         if orders.init:
-            self._stream_init(events)
+            self._stream_init(events, orders.init_fragments)
         apply_s = 0.0
         if self.cfg.initial_cut_timeout_s > 0:
             apply_s = self._install_initial_cut(self.cfg.initial_cut_timeout_s, events)
+        if self.client is not None:
+            # Training moves the masters from here on: nothing we hold may be claimed any more.
+            late = self.client.drop_claims()
+            if late:
+                log.warning("island %d: HELD of fragments %s came too late; they come with a later cut",
+                            self.cfg.island_id, late)
+        held = [e["fragment"] for e in events if e.get("type") == "cut" and e.get("held")]
+        if held and self.is_sync:
+            log.info("island %d: fragments %s already held the syncer's values: no cut downloaded for them",
+                     self.cfg.island_id, held)
         if self.is_sync and self.client is not None and not self.data.gathers_whole():
             budget["export_pool_max"] = self.transfer.pool_max_idle()
         else:
@@ -122,13 +137,33 @@ class StartFinish:
         self.sync_buffers = budget
         return self._end_boundary("start", 0, t0, 0.0, 0.0, apply_s, 0.0, events, None)
 
-    def _stream_init(self, events: list[dict]) -> None:
-        """Send every fragment's fp32 value; gather k+1 while k is on the wire."""
+    def _claims(self) -> list[str] | None:
+        """Collective: per fragment, ``tensor_digest`` of the fp32 value this island starts from
+        (the sync rank's list; None elsewhere), what its HELLO claims. One fragment at a time: the
+        sync rank's own masters read in place where it holds a fragment whole on the host, else
+        that one fragment gathered (the same gather as INIT), so no copy of the model is made."""
+        t0 = time.monotonic()
+        digests: list[str] = []
+        for f in range(self.plan.n_fragments):
+            values = self.data.master_views(f)  # the sync rank only; then no other rank sends
+            if values is None:
+                values = self.transfer.export_fragment(f, delta=False)
+            if values is not None:
+                digests.append(tensor_digest(values))
+            del values
+        if not self.is_sync:
+            return None
+        log.info("island %d: digests of the %d fragments we start from, to claim in HELLO (%.2fs)",
+                 self.cfg.island_id, len(digests), time.monotonic() - t0)
+        return digests
+
+    def _stream_init(self, events: list[dict], fragments: list[int]) -> None:
+        """Send these fragments' fp32 values (collective); gather the next while one is on the wire."""
         inflight: collections.deque = collections.deque()
         t0 = time.monotonic()
-        total = sum(self.plan.nbytes(f) for f in range(self.plan.n_fragments))
+        total = sum(self.plan.nbytes(f) for f in fragments)
         sent = 0
-        for f in range(self.plan.n_fragments):
+        for n, f in enumerate(fragments):
             error = None
             if self.is_sync:
                 while len(inflight) >= _INIT_INFLIGHT:
@@ -147,7 +182,7 @@ class StartFinish:
                                "data_bytes": sum(t.numel() * t.element_size() for _, t in values)})
                 del values
                 sent += self.plan.nbytes(f)
-                log.info("INIT %d/%d fragments, %.1f/%.1f MiB, %.1fs", f + 1, self.plan.n_fragments,
+                log.info("INIT %d/%d fragments (fragment %d), %.1f/%.1f MiB, %.1fs", n + 1, len(fragments), f,
                          sent / 2**20, total / 2**20, time.monotonic() - t0)
         error = None
         if self.is_sync:
@@ -181,7 +216,11 @@ class StartFinish:
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()
-                    orders = Orders(applies=self.planner.pending_values())
+                    lost = self.client.take_init_lost()
+                    if lost:
+                        log.warning("island %d: the syncer lost INIT of fragments %s with a connection: "
+                                    "streaming them again", self.cfg.island_id, lost)
+                    orders = Orders(applies=self.planner.pending_values(), init_fragments=lost)
                     got = {v.fragment for v in orders.applies} | {s.fragment for s in self.planner.slots
                                                                  if s.version >= 0}
                     if len(got) == self.plan.n_fragments:
@@ -194,6 +233,9 @@ class StartFinish:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
+            if orders.init_fragments:
+                self._stream_init(events, orders.init_fragments)
+                progress_at = time.monotonic()
             apply_s += self._install_initial(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(s.version >= 0 for s in self.planner.slots)

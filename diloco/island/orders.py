@@ -34,6 +34,8 @@ class PendingBcast:
     install of it frees the anchors for received values only if no later value has begun."""
     commit_us: int = 0
     """The syncer's commit time of this version (BCAST ``commit_us``; 0: a cut, unknown)."""
+    held: bool = False
+    """A HELD notice (``tensors`` empty): the island's own value is this cut, bit for bit."""
 
 
 class Value(msgspec.Struct, frozen=True):
@@ -46,6 +48,8 @@ class Value(msgspec.Struct, frozen=True):
     """A cut (initial, rejoin): installed as it is, and it resets the fragment's round floor."""
     commit_us: int = 0
     """The syncer's commit time of this version, microseconds (0: a cut, or unknown)."""
+    held: bool = False
+    """A cut the island already holds (HELD): every rank anchors its own masters, no bytes move."""
 
 
 class PushOrder(msgspec.Struct, frozen=True):
@@ -79,7 +83,11 @@ class Orders(msgspec.Struct):
     step, because the round this step opened is not installed yet."""
 
     init: bool = False
-    """Start-up only: the syncer asked this island to stream INIT."""
+    """Start-up only: the syncer asked this island to stream INIT (of ``init_fragments``)."""
+
+    init_fragments: list[int] = msgspec.field(default_factory=list)
+    """Start-up only: the fragments whose INIT to stream (those the syncer holds no value of; after
+    a redial, those it lost with the old connection)."""
 
     final: bool = False
     """Install the syncer's final cut (every fragment, fp32, unblended) and acknowledge it."""
@@ -92,7 +100,8 @@ class Orders(msgspec.Struct):
 
     def is_idle(self) -> bool:
         """Nothing to do: broadcast as an empty payload (the common case, one small broadcast)."""
-        return not (self.applies or self.stages or self.pushes or self.stale or self.hold or self.init or self.final
+        return not (self.applies or self.stages or self.pushes or self.stale or self.hold or self.init
+                    or self.init_fragments or self.final
                     or self.stop or self.error)
 
     def to_json(self) -> bytes:

@@ -8,12 +8,17 @@ waits behind a whole fragment); every message is sealed with the connection's se
 and the next sequence number at the moment it is handed to the socket, and stamped with the
 current generation. Low-bit pushes are quantized part by part with error feedback
 (``diloco.quant``); a push computed part by part (``DeltaSource``) lands in a ring of
-``WINDOW`` part buffers. After a redial INIT streams restart from part 0; pushes are abandoned
-(the syncer pulls again): :meth:`Outbox.streams_after_redial`.
+``WINDOW`` part buffers. After a redial INIT *resumes* where the syncer stands: INIT streams are
+parked until the new WELCOME, which says which fragments the syncer holds complete; those are let
+go of, the others restart from part 0 (:meth:`Outbox.resume_streams`), and fragments sent whole
+on an old connection that the syncer does not hold are handed back to the training thread to
+stream again (:meth:`Outbox.take_init_lost`). Pushes are abandoned (the syncer pulls again):
+:meth:`Outbox.streams_after_redial`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -29,6 +34,8 @@ from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
     from diloco.island.liveness import Liveness
+
+log = logging.getLogger("diloco.island.client")
 
 Tensors = list[tuple[str, torch.Tensor]]
 
@@ -84,6 +91,9 @@ class Outbox:
     _nonce: int
     _send_seq: int
     _feedback: quant.ErrorFeedback | None
+    _init_held: tuple[bool, ...]
+    _init_done: set[int]
+    _init_lost: set[int]
     ring: PartRing
     stats: ClientStats
     liveness: Liveness
@@ -99,19 +109,49 @@ class Outbox:
                                   done=self._done, **self.liveness.report())
 
     def streams_after_redial(self, streams: list[Outgoing]) -> list[Outgoing]:
-        """The streams a new connection sends again: INIT streams survive a redial (restarted
-        from part 0, their parts cut anew); pushes do not (the syncer pulls again once it knows
-        our new generation): they are let go of, their ``sent`` events set."""
+        """The streams a new connection may send again: INIT streams survive a redial, parked
+        (``stream`` None) until the new WELCOME says whether the syncer holds them
+        (:meth:`resume_streams`); pushes do not (the syncer pulls again once it knows our new
+        generation): they are let go of, their ``sent`` events set."""
         keep = []
         for out in streams:
-            if isinstance(out.header, wire.Init) and out.stream is not None:
-                out.stream = self.stream_of(out)
+            if isinstance(out.header, wire.Init):
+                out.stream = None
                 keep.append(out)
             else:
-                out.stream, out.tensors = None, []
-                if out.sent is not None:
-                    out.sent.set()
+                _release(out)
         return keep
+
+    def resume_streams(self, streams: list[Outgoing]) -> list[Outgoing]:
+        """Once WELCOME came: the parked INIT streams of ``streams`` whose fragment the syncer
+        holds complete are let go of (``sent`` set, nothing sent twice); the others restart
+        from part 0 (their parts cut anew). Returns the streams to hand to the pacer."""
+        restart = []
+        for out in streams:
+            if out.stream is not None or not isinstance(out.header, wire.Init):
+                continue
+            f = out.header.fragment
+            if f < len(self._init_held) and self._init_held[f]:
+                log.info("island %d: the syncer holds INIT fragment %d already: not sent again",
+                         self._cfg.island_id, f)
+                _release(out)
+            else:
+                out.stream = self.stream_of(out)
+                restart.append(out)
+        return restart
+
+    def init_sent(self, fragment: int) -> None:
+        """Connection thread: every part of INIT ``fragment`` was handed to the socket (a redial
+        before the syncer holds it makes it lost: :meth:`take_init_lost`)."""
+        with self._guard:
+            self._init_done.add(fragment)
+
+    def take_init_lost(self) -> list[int]:
+        """INIT fragments sent whole on an older connection that the syncer does not hold (its
+        WELCOME said so): the training thread streams them again. Empty afterwards."""
+        with self._guard:
+            lost, self._init_lost = sorted(self._init_lost), set()
+            return lost
 
     def stream_of(self, out: Outgoing) -> Stream:
         """Cut a queued INIT/PUSH into parts; each part's header carries the current generation."""
@@ -180,6 +220,13 @@ class Outbox:
         if isinstance(header, (wire.Init, wire.Push, wire.FinalAck)):
             return msgspec.structs.replace(header, generation=gen)
         return header
+
+
+def _release(out: Outgoing) -> None:
+    """Let go of a stream that will not be sent (again): its tensors, and its ``sent`` event set."""
+    out.stream, out.tensors = None, []
+    if out.sent is not None:
+        out.sent.set()
 
 
 def _part_of(tensors: Tensors | DeltaSource, layout: wire.FragmentLayout, k: int, part_elems: int,

@@ -6,7 +6,8 @@ this table). Groups:
 
 * :data:`FATAL`: the island cannot recover by retrying (misconfigured, or too late): it stops with
   the reason at its next boundary;
-* :data:`REJOIN`: the syncer lost the island's binding (it restarted): the island says HELLO again;
+* :data:`REJOIN`: the syncer lost the island's binding (it restarted), or parts of island 0's INIT
+  were lost on the way: the island says HELLO again (and resumes INIT where the syncer stands);
 * :data:`COUNTED`: PUSH refusals that count towards ``--max-refusals`` (what the island sent was
   wrong; races, such as an attempt that moved on meanwhile, do not count);
 * :data:`SILENT`: refusals answered with nothing (replays, foreign routing ids): telling the
@@ -31,6 +32,7 @@ REASONS: dict[str, str] = {
     "bad_fingerprint": "the layout fingerprint differs from the run's",
     "fingerprint_mismatch": "the layout fingerprint differs from the run's (island-side name)",
     "bad_fragments": "the fragment plan is malformed",
+    "bad_holds": "the HELLO's claimed value digests are malformed",
     "fragments_mismatch": "the fragment plan differs from the run's",
     "fragment_too_large": "a fragment exceeds the syncer's limits (use more fragments)",
     "bad_dtype": "the wire dtype is not one the syncer accepts",
@@ -44,6 +46,7 @@ REASONS: dict[str, str] = {
     "duplicate_init": "the fragment was already initialised",
     "bad_init": "an INIT value failed the data plane's checks",
     "bad_schema": "the INIT schema is malformed or too large",
+    "init_gap": "an INIT part arrived out of order (earlier parts were lost): redial and resume INIT",
     # PUSH and parts
     "bad_part": "a part's index, count or size is wrong",
     "bad_counts": "a PUSH's step or token counts are out of bounds",
@@ -73,12 +76,13 @@ REASONS: dict[str, str] = {
 """Every refusal code, with one line saying what it means."""
 
 FATAL: frozenset[str] = frozenset({"protocol", "unknown_island", "fingerprint_mismatch", "fragments_mismatch",
-                                   "bad_fingerprint", "bad_fragments", "bad_dtype", "finished", "fragment_too_large",
+                                   "bad_fingerprint", "bad_fragments", "bad_holds", "bad_dtype", "finished", "fragment_too_large",
                                    "bad_init"})
 """ERROR codes after which retrying cannot help: the island is misconfigured or too late."""
 
-REJOIN: frozenset[str] = frozenset({"not_bound", "unknown_generation"})
-"""ERROR codes meaning the syncer lost the island's binding (it restarted): say HELLO again."""
+REJOIN: frozenset[str] = frozenset({"not_bound", "unknown_generation", "init_gap"})
+"""ERROR codes meaning the syncer lost the island's binding (it restarted) or INIT parts: say HELLO
+again (the WELCOME then says which fragments the syncer holds)."""
 
 COUNTED: frozenset[str] = frozenset({"bad_part", "bad_counts", "bad_base_version", "stale_base", "wrong_fragment"})
 """PUSH refusals that count towards ``--max-refusals`` (with ``bad_push`` from the data plane)."""

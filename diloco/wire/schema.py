@@ -15,10 +15,14 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-PROTOCOL_VERSION: int = 4
+PROTOCOL_VERSION: int = 5
 """Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments;
 3: session nonce and sequence number in the envelope, WELCOME echoes the generation; 4: PROGRESS
-notices, BCAST carries the commit's duration)."""
+notices, BCAST carries the commit's duration; 5: HELLO claims the values it holds, HELD notices,
+WELCOME says which fragments hold a value)."""
+
+MAX_DIGEST_CHARS: int = 64
+"""Longest digest string a HELLO may claim per fragment (``tensor_digest`` is 32 hex chars)."""
 
 DEFAULT_PART_ELEMS: int = 8 << 20
 """Elements per part of a fragment stream (32 MiB of fp32): the syncer's ``--part-mib`` sets it
@@ -151,6 +155,11 @@ class Hello(_HeaderBase, tag="HELLO"):
     """Random per island process, the same across its redials: a HELLO for a bound island id
     from another instance while the binding is live is a second process (``island_in_use``),
     not a reconnect. 0: unknown (an older island; the routing id decides)."""
+    holds: tuple[str, ...] = ()
+    """Per fragment, ``diloco.digest.tensor_digest`` of the fp32 value the island holds now and
+    would install a cut over (``""``: no claim for that fragment; ``()``: none at all). A
+    fragment whose claim equals the digest of the syncer's current value is answered with HELD
+    instead of its cut (docs/PROTOCOL.md, "Initial cut")."""
 
 
 class Welcome(_HeaderBase, tag="WELCOME"):
@@ -171,6 +180,9 @@ class Welcome(_HeaderBase, tag="WELCOME"):
     increasing sequence number) in its envelope, under the MAC (see docs/SECURITY.md)."""
     weighting: str = ""
     """The syncer's ``--weighting`` (``tokens``, ``steps``, ``equal``); empty from an older syncer."""
+    initialised: tuple[bool, ...] = ()
+    """Per fragment, whether the syncer holds a value for it (INIT complete, or resumed): island 0
+    streams INIT only for the others, so a redial mid-INIT resumes instead of restarting."""
 
 
 class Init(_HeaderBase, tag="INIT"):
@@ -223,6 +235,15 @@ class Bcast(_HeaderBase, tag="BCAST"):
     n_parts: int = 1
     commit_us: int = 0
     """How long the syncer's commit of this version took, microseconds (0: a cut, or unknown)."""
+
+
+class Held(_HeaderBase, tag="HELD"):
+    """syncer -> island, instead of a cut fragment: the value the island claimed in its HELLO is
+    the syncer's value of ``fragment`` at ``version`` (bit for bit): install it as that cut."""
+
+    fragment: int
+    version: int
+    round: int
 
 
 class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
@@ -300,7 +321,8 @@ class Error(_HeaderBase, tag="ERROR"):
     """The round of the refused PUSH (``stale_base``), else 0."""
 
 
-Header = Hello | Welcome | Init | Pull | Push | Bcast | Heartbeat | Final | FinalAck | Shutdown | Error | Progress
+Header = (Hello | Welcome | Init | Pull | Push | Bcast | Held | Heartbeat | Final | FinalAck | Shutdown | Error
+          | Progress)
 HEADER_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
@@ -308,6 +330,7 @@ HEADER_TYPES: tuple[type, ...] = (
     Pull,
     Push,
     Bcast,
+    Held,
     Heartbeat,
     Final,
     FinalAck,

@@ -43,6 +43,8 @@ class WanRun:
         syncer_args: extra syncer flags.
         faults: island index -> callable taking the island's emulator, called once right after
             the islands start (e.g. to arm a reset).
+        skip_matching_cut: the islands' ``YETO_DILOCO_SKIP_MATCHING_CUT`` (every island starts
+            from the same seed, so with it on no island downloads its initial cut).
     """
 
     model_mib: float = 8.0
@@ -60,6 +62,7 @@ class WanRun:
     syncer_args: list[str] = field(default_factory=list)
     faults: dict[int, Callable[[linkemu.LinkEmulator], None]] = field(default_factory=dict)
     timeout_s: float = 300.0
+    skip_matching_cut: bool = True
 
 
 def build_model(model_mib: float, width: int) -> Any:
@@ -88,7 +91,8 @@ def _island(i: int, run: WanRun, addr: str, out: str) -> None:
     cfg = IslandConfig(sync_addr=addr, island_id=i, key=KEY.encode(), fragments=run.fragments,
                        wire_dtype=run.wire_dtype, heartbeat_s=run.heartbeat_s, sync_timeout_s=run.sync_timeout_s,
                        sync_rounds=run.sync_rounds, step_log=f"{out}/island{i}.steplog.jsonl",
-                       initial_cut_timeout_s=run.timeout_s, final_timeout_s=run.timeout_s)
+                       initial_cut_timeout_s=run.timeout_s, final_timeout_s=run.timeout_s,
+                       skip_matching_cut=run.skip_matching_cut)
     island = Island(cfg, TorchLayout(model, opt), tokens_per_step=16)
     t0 = time.monotonic()
     island.start()

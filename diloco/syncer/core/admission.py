@@ -18,7 +18,7 @@ from diloco.syncer.core.checks import Refused, check_schema
 from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.core.effects import Journal, Out, final
 from diloco.syncer.core.finalize import Finalize
-from diloco.syncer.core.records import Outgoing
+from diloco.syncer.core.records import FragmentRecord, Outgoing
 from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
@@ -90,6 +90,7 @@ class Admission:
                     generation=h.generation,
                     nonce=rec.nonce,
                     weighting=cfg.weighting,
+                    initialised=tuple(self._holds_init(f) for f in self.book.fragments),
                 ),
             )
         )
@@ -98,6 +99,12 @@ class Admission:
             log.info("island %d rejoined while finalizing: FINAL again", h.island)
             rec.final_digests = ()
             out.extend(final(rec, frag, self.book.versions()) for frag in self.book.fragments)
+
+    def _holds_init(self, frag: FragmentRecord) -> bool:
+        """Whether ``frag`` needs no more INIT: it has its value, or every part of it was accepted
+        (the data plane is copying the last ones in)."""
+        return frag.initialised or (frag.layout is not None
+                                    and frag.init_next_part == frag.layout.n_parts(self.config.part_elems))
 
     def on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
         """Take one INIT part of island 0 (in order; part 0 carries the schema and restarts the stream)."""
@@ -119,7 +126,12 @@ class Admission:
         else:
             if h.schema:
                 raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")
-            if frag.layout is None or h.part != frag.init_next_part:
+            if frag.layout is None or h.part > frag.init_next_part:
+                # Earlier parts were lost on the way (a connection reset): island 0 redials and
+                # resumes INIT from the WELCOME, restarting this fragment from part 0.
+                raise Refused("init_gap", f"INIT part {h.part} of fragment {h.fragment}, expected part "
+                                          f"{frag.init_next_part if frag.layout is not None else 0}")
+            if h.part != frag.init_next_part:
                 raise Refused("bad_part", f"INIT part {h.part} of fragment {h.fragment}, expected part "
                                           f"{frag.init_next_part}")
             layout = frag.layout
@@ -136,6 +148,7 @@ class Admission:
             frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
             frag.value_absmax = [float("inf")] * layout.n_parts(E)
             frag.init_next_part = frag.init_done_parts = 0
+            frag.value_digest, frag.digesting = None, -1
         assert frag.value is not None
         lo, _hi = layout.part_range(h.part, E)
         frag.init_next_part += 1

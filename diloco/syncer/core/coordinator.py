@@ -13,7 +13,8 @@ It is composed of objects that each own one table: :class:`~.sessions.Sessions` 
 HELLOs), :class:`~.roundbook.RoundBook` (open rounds, ``next_open``, ``next_commit``),
 :class:`~.finalize.Finalize` (phase, flush, final cut), :class:`~.book.FragmentBook` (value,
 momentum, version per fragment) and :class:`~.laggards.Laggards` (islands dropped per round);
-the rules across tables are :class:`~.admission.Admission` (HELLO, INIT), :class:`~.pushes.Pushes`
+the rules across tables are :class:`~.admission.Admission` (HELLO, INIT), :class:`~.cuts.Cuts`
+(cuts fragment by fragment, claimed values), :class:`~.pushes.Pushes`
 (PUSH), :class:`~.merge.Merge` (folds, quorum, commits) and :class:`~.recovery.Recovery` (lost
 messages, refusals, restarts).
 
@@ -37,7 +38,8 @@ from diloco.syncer.core.admission import Admission
 from diloco.syncer.core.book import FragmentBook
 from diloco.syncer.core.checks import Dropped, Refused
 from diloco.syncer.core.config import SyncerConfig
-from diloco.syncer.core.effects import Journal, Out, bcast, final, pull
+from diloco.syncer.core.cuts import Cuts
+from diloco.syncer.core.effects import Journal, Out, final, pull
 from diloco.syncer.core.events import Event, Gauges, IslandGauge, Lost, Received, Tick
 from diloco.syncer.core.finalize import Finalize
 from diloco.syncer.core.laggards import Laggards
@@ -84,6 +86,7 @@ class Coordinator:
                            self.recovery, self.journal)
         self.pushes = Pushes(config, self.sessions, self.roundbook, self.book, self.merge, self.reference,
                              self.journal)
+        self.cuts = Cuts(self.sessions, self.book, self.roundbook, self.journal)
         self.admission = Admission(config, self.syncer_id, self.sessions, self.book, self.roundbook, self.final,
                                    self.recovery, self.journal)
         self.started_at: float | None = None
@@ -336,6 +339,8 @@ class Coordinator:
             self.admission.on_init_copied(work, result, out)
         elif isinstance(work, CommitPart):
             self.merge.on_commit_part(work, result, now, out)
+        elif isinstance(work, DigestFragment) and work.claim:
+            self.cuts.on_digest(work, result)
         elif isinstance(work, DigestFragment):
             frag = self.fragments[work.fragment]
             if frag.value is work.value:
@@ -426,27 +431,10 @@ class Coordinator:
         for r in self.roundbook.in_order():
             self.merge.check_quorum(r, now, out)
         self.merge.start_commits(now, out)
-        self._deliver_cuts(out)
+        self.cuts.deliver(out)
         self._open_rounds(now, out)
         self._maybe_finalize(now, out)
         return out
-
-    def _deliver_cuts(self, out: list[Out]) -> None:
-        if not self.initialised:
-            return
-        for isl in self.live():
-            if isl.cut_sent:
-                continue
-            for frag in self.fragments:
-                # A cut carries the fragment's last committed round (0: none yet), so an island that
-                # joins late knows which rounds went by without it (synchronous rounds wait for none).
-                out.append(bcast(isl, frag, frag.round, cut=True))
-            isl.cut_sent = True
-            # A member that reconnected (or revived) mid-round is asked again,
-            # after its cut so that it pushes against the current anchor.
-            for r in self.roundbook.in_order():
-                if isl.island in r.members and isl.island not in r.pushes and not r.closed:
-                    out.append(pull(isl.peer, r))
 
     def _open_rounds(self, now: float, out: list[Out]) -> None:
         """The round clock (``RoundBook.open_training``); once every island finished, one flush round

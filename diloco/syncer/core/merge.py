@@ -317,7 +317,7 @@ class Merge:
         )
         if not changed:
             return
-        # Islands still waiting for their cut get this version with the cut instead.
+        # Islands that have not been given this fragment of their cut get this version with it instead.
         for isl in self.sessions.live():
-            if isl.cut_sent:
+            if isl.has_cut(frag.index):
                 out.append(bcast(isl, frag, r.round, cut=False))

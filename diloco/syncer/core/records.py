@@ -36,8 +36,10 @@ class IslandRecord:
 
     ``generation`` and ``peer`` change together at HELLO; every other message
     must carry the current generation. ``cut_sent`` is per generation: a
-    reconnect (or a revival after being declared dead) clears it so the island
-    receives the full current cut again before it is asked to push.
+    reconnect (or a revival after being declared dead) clears it (:meth:`recut`) so the island
+    receives the full current cut again before it is asked to push. A cut goes out fragment by
+    fragment (``cut_given``): each as soon as it holds a value, as a stream or, when the
+    island's HELLO claimed exactly that value, as a HELD notice (``cut_held``).
     """
 
     island: int
@@ -52,6 +54,14 @@ class IslandRecord:
     done: bool = False
     last_seen: float = 0.0
     cut_sent: bool = False
+    """Every fragment of the current cut was given (streamed or HELD)."""
+    cut_given: set[int] = field(default_factory=set)
+    """Fragments of the current cut already given (streamed, or answered HELD)."""
+    cut_held: list[int] = field(default_factory=list)
+    """Fragments of the current cut answered HELD (for the log line when the cut completes)."""
+    claims: tuple[str, ...] = ()
+    """The current HELLO's ``holds``: per fragment the digest of the value the island holds
+    (``""``: no claim); ``()``: no claims."""
     final_acked: bool = False
     final_digests: tuple[str, ...] = ()
     """Per-fragment digests of what the island says it installed (its FINAL_ACK)."""
@@ -79,6 +89,20 @@ class IslandRecord:
     """Sequence number of the last accepted message from the island (strictly increasing)."""
     send_seq: int = 0
     """Sequence number of the last message sealed for the island."""
+
+    def recut(self) -> None:
+        """The island must receive the whole current cut again (a new HELLO, a revival)."""
+        self.cut_sent = False
+        self.cut_given = set()
+        self.cut_held = []
+
+    def has_cut(self, fragment: int) -> bool:
+        """Whether ``fragment`` of the current cut was given (later versions of it then follow)."""
+        return self.cut_sent or fragment in self.cut_given
+
+    def claim(self, fragment: int) -> str:
+        """The digest the current HELLO claims for ``fragment`` (``""``: none)."""
+        return self.claims[fragment] if fragment < len(self.claims) else ""
 
 
 @dataclass
@@ -112,6 +136,11 @@ class FragmentRecord:
     fragment's last round before the checkpoint's next round. Cuts carry it."""
     digest: str | None = None
     """``tensor_digest`` of the final value, computed on the data plane at finalization."""
+    value_digest: tuple[int, str] | None = None
+    """(version, ``tensor_digest`` of ``value`` at that version), computed on the data plane when
+    an island claims to hold a value (``Cuts``); a new version or a restarted INIT voids it."""
+    digesting: int = -1
+    """The version whose ``value_digest`` the data plane is computing (-1: none)."""
     value_absmax: list[float] = field(default_factory=list)
     momentum_absmax: list[float] = field(default_factory=list)
     commit_s: float = 0.0

@@ -105,7 +105,7 @@ class Recovery:
                 frag = self.book.fragments[f]
                 if self.final.owes_final(rec):
                     out.append(final(rec, frag, self.book.versions()))
-                elif phase == "running" and rec.cut_sent and frag.initialised:
+                elif phase == "running" and rec.has_cut(f) and frag.initialised:
                     log.info("island %d: resending fragment %d version %d%s", rec.island, f, frag.version,
                              " (cut)" if cut else "")
                     out.append(bcast(rec, frag, frag.round, cut))

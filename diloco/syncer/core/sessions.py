@@ -16,6 +16,7 @@ check of a message passed. No I/O.
 from __future__ import annotations
 
 import logging
+import string
 
 from diloco.protocol import session
 from diloco.syncer.core.checks import Dropped, Refused
@@ -23,7 +24,7 @@ from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.core.effects import Journal
 from diloco.syncer.core.gate import Gate
 from diloco.syncer.core.records import IslandRecord
-from diloco.wire import PROTOCOL_VERSION, PUSH_DTYPES, QUANT_KINDS, Hello, Opened
+from diloco.wire import MAX_DIGEST_CHARS, PROTOCOL_VERSION, PUSH_DTYPES, QUANT_KINDS, Hello, Opened
 
 log = logging.getLogger("diloco.syncer.core")
 
@@ -125,7 +126,7 @@ class Sessions:
         self.proven.add(rec.island)  # a HELLO alone is not membership (``ready``)
         if not rec.alive:
             rec.alive = True
-            rec.cut_sent = False
+            rec.recut()
             log.info("island %d is live again (generation %d)", rec.island, rec.generation)
 
     # ------------------------------------------------------------------ HELLO
@@ -159,6 +160,10 @@ class Sessions:
             raise Refused("bad_fragments", f"n_fragments {h.n_fragments} outside [1, {cfg.max_fragments}]")
         if not 0 < len(h.fingerprint) <= MAX_FINGERPRINT_CHARS:
             raise Refused("bad_fingerprint", f"fingerprint of {len(h.fingerprint)} chars")
+        if h.holds and (len(h.holds) != h.n_fragments
+                        or any(len(d) > MAX_DIGEST_CHARS or d.strip(string.hexdigits) for d in h.holds)):
+            raise Refused("bad_holds", f"{len(h.holds)} claimed digests for {h.n_fragments} fragments, or one "
+                                       f"that is not hex of at most {MAX_DIGEST_CHARS} chars")
         if msg.metas:
             raise Refused("unexpected_tensors", "HELLO carries no tensors")
 
@@ -219,7 +224,8 @@ class Sessions:
         rec.final_acked = False
         # Every HELLO (new or repeated) gets the whole current cut: the island
         # may have lost its copy; replays of one version are ignored client side.
-        rec.cut_sent = False
+        rec.recut()
+        rec.claims = tuple(h.holds)
         rec.last_seen = now
         if rec.peer and rec.peer != peer and self.peers.pop(rec.peer, None) is not None:
             # The old connection's cut and broadcasts are cancelled (at most one cut in flight per island).
@@ -238,7 +244,7 @@ class Sessions:
             if now - isl.last_seen > self.config.dead_after_s:
                 isl.alive = False
                 # A revived island must be re-cut: it may have missed broadcasts.
-                isl.cut_sent = False
+                isl.recut()
                 log.warning("island %d silent for %.1fs: declared dead", isl.island, now - isl.last_seen)
 
     def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float, n_fragments: int) -> None:

@@ -119,13 +119,16 @@ class EncodePart:
 
 @dataclass
 class DigestFragment:
-    """Hash a fragment's final value (``diloco.digest.tensor_digest`` of its tensors), to check
-    the digests islands send with FINAL_ACK. One sequential xxh3-128 pass over the value in place
-    (memory speed, no copy), so it runs on one worker: the one of part ``fragment``."""
+    """Hash a fragment's value (``diloco.digest.tensor_digest`` of its tensors): its final value,
+    to check the digests islands send with FINAL_ACK, or (``claim``) its value at ``version``, to
+    check what a joining island claims to hold. One sequential xxh3-128 pass over the value in
+    place (memory speed, no copy), so it runs on one worker: the one of part ``fragment``."""
 
     fragment: int
     value: torch.Tensor
     layout: FragmentLayout
+    version: int = -1
+    claim: bool = False
 
     @property
     def part(self) -> int:

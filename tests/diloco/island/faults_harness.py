@@ -41,7 +41,10 @@ class Run:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "YETO_SYNC_TIMEOUT_S": "4",
                 "YETO_HEARTBEAT_S": "0.3", "YETO_DILOCO_INITIAL_CUT_TIMEOUT": "3", "YETO_CONNECT_TIMEOUT_S": "120",
-                "YETO_FINAL_TIMEOUT_S": "200", "YETO_SYNC_KEY": "faults-test-key"}
+                "YETO_FINAL_TIMEOUT_S": "200", "YETO_SYNC_KEY": "faults-test-key",
+                # Every island starts from one seed: with claims no initial cut would travel, and the
+                # fault hook's CUT losses are about streamed cuts.
+                "YETO_DILOCO_SKIP_MATCHING_CUT": "0"}
 
     def syncer_cmd(self) -> list[str]:
         return [sys.executable, "-m", "diloco.syncer", "--bind", self.addr, "--islands", str(self.islands),

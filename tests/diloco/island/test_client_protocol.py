@@ -31,11 +31,13 @@ class Syncer:
         flat = [(n, t.reshape(-1)) for n, t in tensors or []]
         return wire.encode(header, flat, key=KEY, **{"nonce": self.nonce, "seq": self.seq, **stamp})
 
-    def welcome(self, generation: int, syncer_id: int = 7, n: int = 2) -> list:
+    def welcome(self, generation: int, syncer_id: int = 7, n: int = 2,
+                initialised: tuple[bool, ...] | None = None) -> list:
         self.nonce, self.seq = 1000 + syncer_id, 0
-        return self.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id, need_init=False,
-                                        versions=(0,) * n, sync_every=10, total_steps=0, generation=generation,
-                                        nonce=self.nonce))
+        held = (True,) * n if initialised is None else initialised
+        return self.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=syncer_id,
+                                        need_init=not all(held), versions=(0,) * n, sync_every=10, total_steps=0,
+                                        generation=generation, nonce=self.nonce, initialised=held))
 
 
 def _protocol(shape: tuple[int, ...] = (3,), **kw: object) -> ClientProtocol:
@@ -227,6 +229,76 @@ def test_streams_are_cut_into_parts_and_only_init_survives_a_redial() -> None:
     assert isinstance(msg.header, wire.Push) and msg.header.local_steps == 5
     assert torch.equal(msg.tensors[0][1], delta[0][1].reshape(-1)) and p.stats.push_bytes_sent == 24
     kept = p.streams_after_redial([push, init])
-    assert kept == [init] and init.stream is not None and init.stream.next_part == 0
+    assert kept == [init] and init.stream is None  # parked until the new WELCOME says where INIT stands
     assert push.sent is not None and push.sent.is_set() and push.tensors == []
+    p.hello(GEN + 1)
+    p.handle(_.welcome(GEN + 1, syncer_id=8, initialised=(False, False)), now=1.0)
+    assert p.resume_streams(kept) == [init] and init.stream is not None and init.stream.next_part == 0
     assert p.push_header(wire.Pull(fragment=0, round=1, attempt=0), 0, 0, 0).n_parts == 0
+
+
+def test_init_resumes_after_a_redial_where_the_syncer_stands() -> None:
+    p, s = _joined()
+    flat = [("w", torch.ones(3))]
+    streams = [Outgoing(p.init_header(f), flat, "float32", threading.Event()) for f in range(2)]
+    # Fragment 0 went out whole on the first connection; fragment 1 was mid-stream when it reset.
+    p.init_sent(0)
+    streams[1].stream = p.stream_of(streams[1])
+    parked = p.streams_after_redial(streams[1:])
+    p.hello(GEN + 1)
+    # The syncer holds fragment 1 complete (its last parts landed) but lost fragment 0 with the reset.
+    p.handle(s.welcome(GEN + 1, initialised=(False, True)), now=1.0)
+    assert p.resume_streams(parked) == []
+    assert streams[1].sent is not None and streams[1].sent.is_set() and streams[1].tensors == []
+    assert p.take_init_lost() == [0] and p.take_init_lost() == []
+    # Fragment 0 sent whole again; after another redial the syncer holds everything: nothing is lost.
+    p.init_sent(0)
+    p.hello(GEN + 2)
+    p.handle(s.welcome(GEN + 2, initialised=(True, True)), now=2.0)
+    assert p.take_init_lost() == []
+
+
+def _claiming(claims: list[str]) -> tuple[ClientProtocol, Syncer]:
+    cfg = IslandConfig(sync_addr="tcp://127.0.0.1:9", island_id=1, key=KEY, heartbeat_s=0.2, sync_timeout_s=2.0)
+    p, s = ClientProtocol(cfg, "ab" * 16, [wire.FragmentLayout.of([("w", (3,))])] * 2, now=0.0, instance=5,
+                          claims=claims), Syncer()
+    hello = wire.decode(p.hello(GEN), key=KEY).header
+    assert isinstance(hello, wire.Hello) and hello.holds == tuple(claims)
+    p.handle(s.welcome(GEN), now=0.1)
+    return p, s
+
+
+def test_held_is_a_cut_without_bytes_only_for_what_we_claim() -> None:
+    p, s = _claiming(["a" * 32, ""])
+    p.handle(s.frames(wire.Held(fragment=1, version=0, round=0)), now=1.0)  # not claimed: ignored
+    p.handle(s.frames(wire.Held(fragment=0, version=3, round=5)), now=1.0)
+    (b,) = p.take_bcasts()
+    assert (b.fragment, b.version, b.round, b.cut, b.held, b.tensors) == (0, 3, 5, True, True, [])
+    p.handle(s.frames(wire.Held(fragment=0, version=3, round=5)), now=1.0)  # a replay of that version
+    p.handle(s.frames(wire.Held(fragment=-1, version=0, round=0)), now=1.0)  # malformed
+    assert p.take_bcasts() == [] and p.stats.refused == 1
+    # A value received for fragment 0 replaces what we hold: a later HELLO claims nothing of it.
+    p.handle(s.frames(wire.Bcast(fragment=0, version=4, round=6, cut=False), [("w", torch.ones(3))]), now=1.0)
+    again = wire.decode(p.hello(GEN + 1), key=KEY).header
+    assert isinstance(again, wire.Hello) and again.holds == ()
+
+
+def test_start_up_over_claims_nothing_and_lets_go_of_parked_helds() -> None:
+    p, s = _claiming(["a" * 32, "b" * 32])
+    p.handle(s.frames(wire.Held(fragment=1, version=0, round=0)), now=1.0)
+    assert p.drop_claims() == [1] and p.take_bcasts() == []
+    p.handle(s.frames(wire.Held(fragment=0, version=0, round=0)), now=1.0)  # too late: training moves the masters
+    assert p.take_bcasts() == []
+    hello = wire.decode(p.hello(GEN + 1), key=KEY).header
+    assert isinstance(hello, wire.Hello) and hello.holds == ()
+    # The cut of fragment 1 (whose HELD was let go of) is still taken when it comes.
+    p.handle(s.welcome(GEN + 1), now=2.0)
+    p.handle(s.frames(wire.Bcast(fragment=1, version=0, round=0, cut=True), [("w", torch.ones(3))]), now=2.0)
+    assert [b.fragment for b in p.take_bcasts()] == [1]
+
+
+def test_an_init_gap_makes_island_0_redial() -> None:
+    p, s = _joined()
+    eff = p.handle(s.frames(wire.Error(code="init_gap", reason="INIT part 5 of fragment 1, expected part 3")),
+                   now=1.0)
+    assert eff.redial_s == 0.0 and not p.failed()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from diloco import wire
 from diloco.config import IslandConfig
+from diloco.digest import tensor_digest
 from diloco.island.boundary import Island
 from diloco.layout.torch_module import TorchLayout
 from diloco.demo.ranks import run_ranks
@@ -44,11 +45,15 @@ class ScriptedSyncer(FakeSyncer):
     once the island reports step ``late_at_step``), to exercise the initial-cut timeout.
     """
 
-    def __init__(self, read_delay_s: float, cut_fragments: int, late_at_step: int = 0) -> None:
+    def __init__(self, read_delay_s: float, cut_fragments: int, late_at_step: int = 0,
+                 held: frozenset[int] = frozenset()) -> None:
         super().__init__(rcvbuf=1 << 16)
         self.read_delay_s = read_delay_s
         self.cut_fragments = cut_fragments
         self.late_at_step = late_at_step
+        self.held = held
+        """Fragments answered HELD (version 3, round 2) instead of their cut."""
+        self.holds: tuple[str, ...] = ()
         self.init: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self.steps: list[int] = []
 
@@ -64,6 +69,7 @@ class ScriptedSyncer(FakeSyncer):
         assert got is not None
         peer, msg = got
         assert isinstance(msg.header, wire.Hello)
+        self.holds = msg.header.holds
         self.nonce = 99
         self._send(peer, wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=1, need_init=True,
                                       versions=(0,) * N_FRAGMENTS, sync_every=4, total_steps=0,
@@ -78,7 +84,10 @@ class ScriptedSyncer(FakeSyncer):
         cut = {f: [(n, t + 1) for n, t in self.init[f]] for f in range(N_FRAGMENTS)}
         for f in range(self.cut_fragments):
             time.sleep(0.05)
-            self._send(peer, wire.Bcast(fragment=f, version=0, round=0, cut=True), cut[f])
+            if f in self.held:
+                self._send(peer, wire.Held(fragment=f, version=3, round=2))
+            else:
+                self._send(peer, wire.Bcast(fragment=f, version=0, round=0, cut=True), cut[f])
         late_sent = self.cut_fragments == N_FRAGMENTS
         while not self.stop.is_set():
             got = self._recv()
@@ -101,6 +110,9 @@ def _island_rank(rank: int, world: int, addr: str, cut_timeout_s: float, steps: 
     cfg = IslandConfig(sync_addr=addr, island_id=0, fragments=N_FRAGMENTS, initial_cut_timeout_s=cut_timeout_s,
                        heartbeat_s=0.2, sync_timeout_s=60.0)
     island = Island(cfg, layout, tokens_per_step=16)
+    params = dict(model.named_parameters())
+    digests = [tensor_digest([(s.name, params[s.name].detach()) for s in island.plan.specs_of(f)])
+               for f in range(N_FRAGMENTS)]  # what its HELLO must claim: the values it starts from
     # Count the fragments the sync rank holds: each export's tensors are tracked until freed.
     live: set[int] = set()
     max_live = [0]
@@ -121,9 +133,19 @@ def _island_rank(rank: int, world: int, addr: str, cut_timeout_s: float, steps: 
         time.sleep(0.1)
         island.step_end(step)
     after_steps = [torch.equal(p, q + 1) for p, q in zip(model.parameters(), initial)]
+    unchanged = [torch.equal(p, q) for p, q in zip(model.parameters(), initial)]
+    # Every fragment's anchor is what the masters hold (held or cut): the next push carries no delta.
+    max_before = max_live[0]
+    no_delta = True
+    for f in range(N_FRAGMENTS):  # collective; one fragment at a time
+        d = island.transfer.export_fragment(f, delta=True)
+        no_delta = no_delta and (d is None or all(not t.any() for _, t in d))
+        del d
+    max_live[0] = max_before
     if island.client is not None:
         island.client.close(linger_s=0.5)
-    return {"max_live": max_live[0], "after_start": after_start, "after_steps": after_steps,
+    return {"max_live": max_live[0], "after_start": after_start, "after_steps": after_steps, "unchanged": unchanged,
+            "no_delta": no_delta, "digests": digests,
             "versions": island.versions,
             "fragment_of": [island.plan.fragment_of(n) for n, _ in model.named_parameters()]}
 
@@ -162,3 +184,16 @@ def test_initial_cut_timeout_leaves_the_rest_to_the_boundaries() -> None:
         assert r["after_start"] == [f < 2 for f in r["fragment_of"]]
         assert all(r["after_steps"]) and r["versions"] == [0] * N_FRAGMENTS
     assert syncer.steps and max(syncer.steps) == 20
+
+
+def test_held_fragments_keep_their_values_and_anchor_them_on_every_rank() -> None:
+    # The HELLO claims the digest of every fragment the island starts from; the syncer answers
+    # fragments 1 and 3 with HELD (no bytes), 0 and 2 with their cut (INIT + 1).
+    syncer = ScriptedSyncer(read_delay_s=0.0, cut_fragments=N_FRAGMENTS, held=frozenset({1, 3}))
+    results = _run(syncer, cut_timeout_s=30.0, steps=0)
+    assert syncer.holds == tuple(results[0]["digests"])
+    for r in results:
+        assert r["versions"] == [0, 3, 0, 3]
+        assert r["unchanged"] == [f in (1, 3) for f in r["fragment_of"]]
+        assert r["after_start"] == [f in (0, 2) for f in r["fragment_of"]]
+        assert r["no_delta"]

@@ -51,8 +51,15 @@ def _commits(res: wan_harness.WanResult) -> list[dict]:
     return [e for e in events if "pushed" in e]  # commit events (the log also holds other kinds)
 
 
+def _start_record(res: wan_harness.WanResult, i: int) -> dict:
+    """Island ``i``'s step-log record of start-up (phase ``start``)."""
+    lines = (res.out / f"island{i}.steplog.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r["phase"] == "start")
+
+
 def test_slow_links_never_rejoin_and_the_syncer_names_the_fix(tmp_path: Path) -> None:
-    res = wan_harness.run(_settings(), tmp_path)
+    # Every island downloads its cut here (no claims), so start-up carries INIT up, then the cut down.
+    res = wan_harness.run(_settings(skip_matching_cut=False), tmp_path)
     _check_identical(res)
     assert [r["redials"] for r in res.islands] == [0, 0], [log[-2000:] for log in res.island_logs]
     assert [s.connections for s in res.links] == [1, 1]
@@ -70,7 +77,8 @@ def test_a_reset_mid_push_or_mid_cut_loses_and_doubles_nothing(tmp_path: Path, w
     # "cut": island 1's downlink dies 1.5 MB into its initial cut (4 MiB); "push": island 1's
     # uplink dies 1 MB into its first push (after its HELLO and heartbeats, the only bytes it sends).
     direction, after = (linkemu.DOWN, 1_500_000) if where == "cut" else (linkemu.UP, 1_000_000)
-    res = wan_harness.run(_settings(faults={1: lambda emu: emu.arm_reset(direction, after)}), tmp_path)
+    res = wan_harness.run(_settings(faults={1: lambda emu: emu.arm_reset(direction, after)},
+                                    skip_matching_cut=False), tmp_path)
     _check_identical(res)
     # The link really dropped once: zmq reconnected through it, plus one socket per rejoin.
     assert res.links[1].resets == 1 and res.islands[1]["redials"] <= 1
@@ -80,3 +88,42 @@ def test_a_reset_mid_push_or_mid_cut_loses_and_doubles_nothing(tmp_path: Path, w
     assert sorted(c["round"] for c in commits) == list(range(1, len(commits) + 1))
     for c in commits:  # no island's push merged twice into one round
         assert len(c["pushed"]) == len(set(c["pushed"]))
+
+
+def test_islands_starting_from_the_same_weights_download_no_cut(tmp_path: Path) -> None:
+    # Both islands start from one seed: their HELLOs claim the values island 0 streams as INIT, so
+    # neither downloads its cut (HELD per fragment as INIT lands). Compared with the same run that
+    # downloads it: the start-up records and the links' down bytes differ by a whole model per island.
+    model = 4 * 2**20
+    res = wan_harness.run(_settings(), tmp_path / "held")
+    _check_identical(res)
+    for i in range(2):
+        start = _start_record(res, i)
+        assert start["data_bytes_recv"] == 0 and start["installed"] == [0, 1]
+        assert [e.get("held") for e in start["events"] if e["type"] == "cut"] == [True, True]
+        assert f"island {i}: fragments 0-1 match the syncer's values, no cut needed" in res.syncer_log
+    cut = wan_harness.run(_settings(skip_matching_cut=False), tmp_path / "cut")
+    _check_identical(cut)
+    for i in range(2):
+        assert _start_record(cut, i)["data_bytes_recv"] >= model
+        assert cut.links[i].bytes[linkemu.DOWN] - res.links[i].bytes[linkemu.DOWN] >= model
+    print("start-up s, claims:", [round(r["start_s"], 2) for r in res.islands],
+          "cut downloaded:", [round(r["start_s"], 2) for r in cut.islands])
+
+
+def test_a_reset_mid_init_resumes_it_and_sends_no_fragment_twice(tmp_path: Path) -> None:
+    # Island 0's uplink dies 3 MB into its INIT (4 MiB, 2 fragments): fragment 0 is in, fragment 1
+    # is cut off (what TCP held is lost). Island 0 learns it either from the syncer (init_gap: later
+    # parts came without the lost ones) or when its cut stops arriving; it redials, and its WELCOME
+    # says the syncer holds fragment 0: only fragment 1 is streamed again, from part 0. Island 1
+    # (same seed) is told HELD for both.
+    res = wan_harness.run(_settings(faults={0: lambda emu: emu.arm_reset(linkemu.UP, 3_000_000)}), tmp_path)
+    _check_identical(res)
+    assert res.links[0].resets == 1 and res.islands[0]["redials"] >= 1
+    assert "init_gap" in res.syncer_log or "the syncer lost INIT of fragments [1]" in res.island_logs[0]
+    for f in range(2):
+        assert res.syncer_log.count(f"fragment {f} initialised by island 0") == 1
+    assert "duplicate_init" not in res.syncer_log  # nothing the syncer held came again
+    handed = [e["fragment"] for e in _start_record(res, 0)["events"] if e["type"] == "init"]
+    assert handed.count(0) == 1 and 1 <= handed.count(1) <= 2  # fragment 0 once; 1 again only if lost whole
+    assert "island 1: fragments 0-1 match the syncer's values, no cut needed" in res.syncer_log

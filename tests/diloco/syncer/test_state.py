@@ -145,11 +145,17 @@ def test_init_only_from_island0_once_then_cut_to_everyone() -> None:
         d.send(peer(i), hello(i, GEN[i]))
     assert errors(d.send_all(peer(1), inits(0, island=1, gen=GEN[1]))) == ["init_not_island0"] * 3
     out = d.send_all(peer(0), inits(0))
-    assert not streams(out) and d.st.fragments[0].initialised  # fragment 1 has no value yet: no cut
+    # The cut overlaps INIT by fragment: fragment 0 goes to every island as soon as it holds its
+    # value, while fragment 1 has none yet; nobody is given its whole cut (no round, no pull).
+    first = streams(out)
+    assert d.st.fragments[0].initialised and sorted((o.peer, o.fragment) for o in first) == \
+        [(peer(i), 0) for i in range(3)]
+    assert not any(i.cut_sent for i in d.st.islands)
     assert errors(d.send_all(peer(0), inits(0)[:1])) == ["duplicate_init"]
     out = d.send_all(peer(0), inits(1))
-    cuts = streams(out)
+    cuts = first + streams(out)
     assert sorted((o.peer, o.fragment) for o in cuts) == sorted((peer(i), f) for i in range(3) for f in range(2))
+    assert all(i.cut_sent for i in d.st.islands)
     assert all(o.cut and o.version == 0 and o.round == 0 and o.wire_dtype == "float32" for o in cuts)
     for f in range(2):  # the cut streams the fragment's flat value: the INIT values, no momentum buffer yet
         assert bitwise(d.st.fragments[f].value, flat(init_values(f)))
@@ -168,9 +174,10 @@ def test_init_parts_in_order_and_a_restart_from_part_0() -> None:
     d = Driver(CFG)
     d.send(peer(0), hello(0, GEN[0]))
     msgs = inits(0)
-    assert errors(d.send(peer(0), *msgs[1])) == ["bad_part"]  # part 1 before part 0
+    # A part ahead of the next expected one means parts were lost: island 0 redials and resumes.
+    assert errors(d.send(peer(0), *msgs[1])) == ["init_gap"]  # part 1 before part 0
     d.send(peer(0), *msgs[0])
-    assert errors(d.send(peer(0), *msgs[2])) == ["bad_part"]  # part 2 skips part 1
+    assert errors(d.send(peer(0), *msgs[2])) == ["init_gap"]  # part 2 skips part 1
     with_schema = msgspec.structs.replace(msgs[1][0], schema=msgs[0][0].schema)
     assert errors(d.send(peer(0), with_schema, msgs[1][1])) == ["bad_schema"]
     # A redialed island 0 streams INIT again from part 0: the partial stream is dropped,
