@@ -159,6 +159,10 @@ class Outbox:
         E = self._part_elems
         n = layout.n_parts(E)
         schema = tuple(zip(layout.names, layout.shapes))
+        made: list = [-1, None]
+        """The last part whose payload was made, and that payload: a part the socket refused
+        (``zmq.Again``) is asked for again and must not be made twice (a second ring buffer
+        taken while the first is still in flight, a quantization residual carried twice)."""
 
         def frames_of(k: int) -> list:
             if isinstance(out.header, wire.Init):
@@ -166,6 +170,8 @@ class Outbox:
                     out.header, generation=self.generation, part=k, n_parts=n, schema=schema if k == 0 else ())
             else:
                 header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
+            if made[0] == k:
+                return self.seal(header, made[1])  # sealed anew: the next sequence number
             if isinstance(out.header, wire.Push) and self._feedback is not None:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
             else:
@@ -173,6 +179,7 @@ class Outbox:
                                               seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
+            made[0], made[1] = k, payload
             return self.seal(header, payload)
 
         return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
