@@ -15,13 +15,17 @@ of a fragment is rewritten only by the staging of that fragment, which waits for
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from diloco.wire.parts import FragmentLayout
 
 __all__ = ["DeltaSource", "PartRing"]
+
+log = logging.getLogger(__name__)
 
 
 class DeltaSource:
@@ -74,10 +78,18 @@ class DeltaSource:
 
 
 class PartRing:
-    """``size`` flat fp32 buffers of one part each, handed out round robin: where the client
-    computes a DeltaSource's parts. Safe when at most ``size − 1`` parts handed out earlier are
-    still read by the time the next is asked for (the client's send window: a part is computed
-    only when fewer than ``window`` parts are in flight, so ``size = window`` suffices).
+    """``size`` flat fp32 buffers of one part each: where the client computes a DeltaSource's
+    parts. A buffer whose part was handed to zmq stays *held* (:meth:`hold`, with the part's
+    ``MessageTracker``) until zmq released the part's frames; :meth:`take` hands out only a
+    buffer no part in flight still reads, the oldest such first. The client computes a part only
+    when fewer than ``window`` parts are in flight, so ``size = window`` always leaves one free.
+
+    Parts are not released in the order they were taken: a part whose frames are all below
+    zmq's copy threshold (the short last part of a fragment) is copied at send and done at
+    once, while the large part before it is still queued on a slow link. A plain round robin
+    then handed the next push that still-queued buffer and overwrote it under zmq: the syncer
+    received the new push's bytes in the old part's tail frames and refused the part (its chunk
+    digests, taken before, no longer matched).
 
     Allocated at first use (the part size comes with WELCOME) and again if it changes: one
     budget line, ``size × part bytes``, whatever the model or the number of fragments."""
@@ -87,6 +99,8 @@ class PartRing:
             raise ValueError(f"PartRing: size must be >= 1, got {size}")
         self.size = size
         self._bufs: list[torch.Tensor] = []
+        self._held: list[Any] = []
+        """Per buffer: the tracker of the part sent from it (anything with ``done``), or None."""
         self._next = 0
 
     @property
@@ -94,13 +108,32 @@ class PartRing:
         return sum(b.numel() * 4 for b in self._bufs)
 
     def take(self, part_elems: int) -> torch.Tensor:
-        """The next buffer (``part_elems`` fp32 elements)."""
+        """A buffer of ``part_elems`` fp32 elements that no part in flight reads: the next one
+        round robin whose part zmq released. Should every buffer be held (the caller broke the
+        window), a fresh buffer outside the ring: never one zmq may still be sending."""
         if not self._bufs or self._bufs[0].numel() != part_elems:
             self._bufs = [torch.empty(part_elems, dtype=torch.float32) for _ in range(self.size)]
+            self._held = [None] * self.size
             self._next = 0
-        buf = self._bufs[self._next]
-        self._next = (self._next + 1) % self.size
-        return buf
+        for i in range(self.size):
+            j = (self._next + i) % self.size
+            tracker = self._held[j]
+            if tracker is None or tracker.done:
+                self._held[j] = None
+                self._next = (j + 1) % self.size
+                return self._bufs[j]
+        log.warning("PartRing: all %d part buffers are still in zmq's hands; a fresh one for this part", self.size)
+        return torch.empty(part_elems, dtype=torch.float32)
+
+    def hold(self, buf: torch.Tensor, tracker: Any) -> None:
+        """``buf`` (from :meth:`take`) was handed to zmq in a part tracked by ``tracker``
+        (a ``zmq.MessageTracker``, or anything with ``done``): not handed out again before it is
+        done. A buffer not of the ring (or of a ring since reallocated) is ignored."""
+        for j, b in enumerate(self._bufs):
+            if b is buf:
+                self._held[j] = tracker
+                return
 
     def clear(self) -> None:
         self._bufs = []
+        self._held = []

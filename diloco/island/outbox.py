@@ -159,10 +159,11 @@ class Outbox:
         E = self._part_elems
         n = layout.n_parts(E)
         schema = tuple(zip(layout.names, layout.shapes))
-        made: list = [-1, None]
-        """The last part whose payload was made, and that payload: a part the socket refused
-        (``zmq.Again``) is asked for again and must not be made twice (a second ring buffer
-        taken while the first is still in flight, a quantization residual carried twice)."""
+        made: list = [-1, None, None]
+        """The last part whose payload was made, that payload, and the ring buffer its frames
+        view (None: none): a part the socket refused (``zmq.Again``) is asked for again and must
+        not be made twice (a second ring buffer taken while the first is still in flight, a
+        quantization residual carried twice)."""
 
         def frames_of(k: int) -> list:
             if isinstance(out.header, wire.Init):
@@ -172,17 +173,23 @@ class Outbox:
                 header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
             if made[0] == k:
                 return self.seal(header, made[1])  # sealed anew: the next sequence number
+            buf = None
             if isinstance(out.header, wire.Push) and self._feedback is not None:
-                payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)
+                payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)  # frames never view the ring
             else:
-                payload = wire.encode_payload(_part_of(out.tensors, layout, k, E, self.ring), wire_dtype=out.wire_dtype,
-                                              seed=self._seed)
+                segs, buf = _part_of(out.tensors, layout, k, E, self.ring)
+                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
-            made[0], made[1] = k, payload
+            made[0], made[1], made[2] = k, payload, buf
             return self.seal(header, payload)
 
-        return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}")  # type: ignore[union-attr]
+        def handed(k: int, tracker: object) -> None:
+            if made[0] == k and made[2] is not None:
+                self.ring.hold(made[2], tracker)  # not handed out again until zmq released this part
+
+        return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}",  # type: ignore[union-attr]
+                      on_handed=handed)
 
     def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
         """Frames of one message of this connection: session nonce and the next sequence number,
@@ -237,9 +244,10 @@ def _release(out: Outgoing) -> None:
 
 
 def _part_of(tensors: Tensors | DeltaSource, layout: wire.FragmentLayout, k: int, part_elems: int,
-             ring: PartRing) -> list[tuple[str, torch.Tensor]]:
+             ring: PartRing) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor | None]:
     """Part ``k``'s segments: views of materialised tensors, or computed now by a DeltaSource
-    into the next buffer of ``ring`` (consecutive views of it)."""
+    into a free buffer of ``ring`` (consecutive views of it); and that buffer (None: none)."""
     if isinstance(tensors, DeltaSource):
-        return tensors.slice_part(layout, k, part_elems, out=ring.take(part_elems))
-    return layout.slice_part(tensors, k, part_elems)
+        buf = ring.take(part_elems)
+        return tensors.slice_part(layout, k, part_elems, out=buf), buf
+    return layout.slice_part(tensors, k, part_elems), None

@@ -55,6 +55,9 @@ class Stream:
     then: list[list[Any] | Callable[[], list[Any]]] = field(default_factory=list)
     """Control messages that must follow this stream (sent right after its last part): frames,
     or a callable sealing them at that moment (so sequence numbers follow the send order)."""
+    on_handed: Callable[[int, Any], None] | None = None
+    """Called with ``(k, tracker)`` once part ``k`` was handed to zmq: the sender of a part built
+    in a reused buffer learns when zmq lets go of it (``tracker.done``)."""
 
 
 def send_tracked(sock: zmq.Socket, frames: list[Any], flags: int = 0, track: bool = True) -> zmq.MessageTracker | None:
@@ -156,6 +159,8 @@ class Pacer:
                 except zmq.ZMQError as exc:
                     self.drop(dest, f"send failed: {exc}")
                     break
+                if stream.on_handed is not None:
+                    stream.on_handed(stream.next_part, tracker)
                 stream.control_bytes += len(memoryview(frames[0])) + len(memoryview(frames[1]))
                 stream.data_bytes += sum(len(memoryview(f)) for f in frames[2:])
                 stream.next_part += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -302,3 +303,75 @@ def test_an_init_gap_makes_island_0_redial() -> None:
     eff = p.handle(s.frames(wire.Error(code="init_gap", reason="INIT part 5 of fragment 1, expected part 3")),
                    now=1.0)
     assert eff.redial_s == 0.0 and not p.failed()
+
+
+def test_a_push_part_is_never_computed_into_a_ring_buffer_zmq_still_sends() -> None:
+    """Two pushes of a fragment of two parts, the second short (one small frame, copied by zmq and
+    done at once) while the first, large, is still queued: the next push's first part used to
+    take the ring buffer of that queued part (round robin) and overwrite it under zmq, so the
+    syncer got the new bytes in the old part and refused its digests. Every part must arrive as
+    it was digested."""
+    import zmq
+
+    from diloco.island.delta_source import DeltaSource
+    from diloco.wire.pacing import Pacer, send_tracked
+
+    E = 16 * wire.PART_ALIGN_ELEMS  # parts of 256 KiB: zero-copy frames, above zmq's copy threshold
+    p = _protocol(shape=(E + 16,))
+    s = Syncer()
+    p.hello(GEN)
+    s.nonce, s.seq = 1007, 0
+    p.handle(s.frames(wire.Welcome(protocol=wire.PROTOCOL_VERSION, syncer_id=7, need_init=False, versions=(0, 0),
+                                   sync_every=10, total_steps=0, generation=GEN, nonce=s.nonce,
+                                   initialised=(True, True), part_elems=E)), now=0.1)
+    anchor = torch.zeros(E + 16)
+    pushes = []
+    for i, f in enumerate((0, 1)):
+        snap = torch.full((E + 16,), float(i + 1))
+        pushes.append(Outgoing(p.push_header(wire.Pull(fragment=f, round=f + 1, attempt=0), 0, 5, 50),
+                               DeltaSource(["w"], [snap], [anchor]), "float32", threading.Event()))
+    ctx = zmq.Context()
+    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)  # inproc: zmq holds a sent frame until it is read
+    try:
+        rx.bind("inproc://ring-test")
+        tx.connect("inproc://ring-test")
+        pacer = Pacer(2, lambda _d, frames, track: send_tracked(tx, frames, zmq.NOBLOCK, track))
+        for out in pushes:
+            out.stream = p.stream_of(out)
+            assert out.stream.n_parts == 2
+            pacer.add(b"", out.stream)
+        for _ in range(3):  # nothing read yet: push 0's part 0 stays queued, its short part 1 is done
+            pacer.pump()
+        assert pushes[1].stream.next_part == 1  # push 1's part 0 was computed meanwhile
+        got = []
+        deadline = time.monotonic() + 10
+        while (pacer.pending() or rx.poll(0)) and time.monotonic() < deadline:
+            pacer.pump()  # every part the window lets go (computed now), read only afterwards
+            while rx.poll(0):
+                got.append(wire.decode(rx.recv_multipart(), key=KEY))
+            time.sleep(0.005)  # zmq reports a read part released a moment later
+        assert pacer.pending() == 0 and len(got) == 4
+        for msg in got:  # decode checked every chunk digest; the values are each push's own
+            h = msg.header
+            assert isinstance(h, wire.Push)
+            assert all(torch.all(t == float(h.fragment + 1)) for _n, t in msg.tensors), (h.fragment, h.part)
+    finally:
+        rx.close(linger=0)
+        tx.close(linger=0)
+        ctx.term()
+
+
+def test_the_part_ring_hands_out_only_buffers_zmq_released() -> None:
+    from types import SimpleNamespace
+
+    from diloco.island.delta_source import PartRing
+
+    ring = PartRing(2)
+    a, b = ring.take(8), ring.take(8)
+    assert a is not b
+    queued, released = SimpleNamespace(done=False), SimpleNamespace(done=True)
+    ring.hold(a, queued)  # a large part still in zmq's queue
+    ring.hold(b, released)  # a short part after it, copied and done at once
+    assert ring.take(8) is b and ring.take(8) is b  # never a (a plain round robin gave a here)
+    queued.done = True
+    assert ring.take(8) is a
