@@ -192,13 +192,11 @@ class DataPath:
         ``f`` whole (preallocated); None otherwise (the client assembles into a pooled buffer).
 
         Called at the first part of every value of ``f`` (it also numbers them: the second
-        return). Only while ``f`` is *quiet*: no value of it is pending, staging or being
-        installed (a staging job may write or read the anchor) and none has begun since the last
-        one installed (:meth:`mark_quiet`); never while another stream of ``f`` arrives
-        (``busy``). Taking the anchors makes ``f`` busy until a value begun after no other is
-        installed, so two values never share them; a value refused or superseded leaves ``f``
-        busy and later values take the pooled path. Pushes of ``f`` are read by this same
-        thread (DeltaSource), and a commit of ``f`` is sent only after our push was received."""
+        return). Only while ``f`` is *quiet* (``diloco.island.quiet``: no value of it pending,
+        staging or installed since, none begun since the last installed) and no other stream of
+        ``f`` arrives (``busy``); a value refused or superseded leaves ``f`` busy, and later
+        values take the pooled path. Pushes of ``f`` are read by this same thread (DeltaSource),
+        and a commit of ``f`` is sent only after our push was received."""
         whole = self._whole[f]
         ready = whole is not None and dtype == "float32" and len(self._x._anchors) == len(self._x._pieces)
         take, arrival = self._quiet.begin(f, ready and not busy)
