@@ -123,6 +123,7 @@ class DataPath:
         self._side: dict[str, object | None] = {}
         self._sent: dict[int, threading.Event] = {}
         self._quiet = QuietAnchors(len(xfer._routes))
+        self._own: set[int] = set()  # fragments whose anchors hold this rank's own masters (anchor_own)
         """Which fragments' anchors a received value may take now (sync rank; see receive_views)."""
         self._staged_arrival: dict[int, int] = {}
         self.bytes_sent = 0
@@ -191,18 +192,17 @@ class DataPath:
         ``f`` whole (preallocated); None otherwise (the client assembles into a pooled buffer).
 
         Called at the first part of every value of ``f`` (it also numbers them: the second
-        return). Only while ``f`` is *quiet*: no value of it is pending, staging or being
-        installed (a staging job may write or read the anchor) and none has begun since the last
-        one installed (:meth:`mark_quiet`); never while another stream of ``f`` arrives
-        (``busy``). Taking the anchors makes ``f`` busy until a value begun after no other is
-        installed, so two values never share them; a value refused or superseded leaves ``f``
-        busy and later values take the pooled path. Pushes of ``f`` are read by this same
-        thread (DeltaSource), and a commit of ``f`` is sent only after our push was received."""
+        return). Only while ``f`` is *quiet* (``diloco.island.quiet``: no value of it pending,
+        staging or installed since, none begun since the last installed) and no other stream of
+        ``f`` arrives (``busy``); a value refused or superseded leaves ``f`` busy, and later
+        values take the pooled path. Pushes of ``f`` are read by this same thread (DeltaSource),
+        and a commit of ``f`` is sent only after our push was received."""
         whole = self._whole[f]
         ready = whole is not None and dtype == "float32" and len(self._x._anchors) == len(self._x._pieces)
         take, arrival = self._quiet.begin(f, ready and not busy)
         if not take or whole is None:
             return None, arrival
+        self._own.discard(f)
         sizes = [spec.numel for spec in self._x._plan.specs_of(f)]
         return [self._x._anchors[p][off : off + n] for (_, p, off), n in zip(whole, sizes)], arrival
 
@@ -350,15 +350,27 @@ class DataPath:
         self._x._anchored.add(f)
         self.mark_quiet(f, self._staged_arrival.pop(f, -1))
 
-    def anchor_own(self, f: int) -> None:
-        """A cut of ``f`` this island already holds (HELD, start-up only, no step taken yet): its
-        anchors become this rank's own masters, which equal the syncer's value bit for bit. No
-        communication: every rank copies the runs it holds."""
+    def anchor_own(self, f: int, mark: bool = True) -> None:
+        """Start-up only (no step taken yet): this rank's anchors of ``f`` become its own masters,
+        copied once (no communication: every rank copies the runs it holds). ``mark``: ``f`` is
+        anchored (a HELD cut: the syncer's value is these masters bit for bit); else the anchors
+        only hold them for :meth:`own_views` (the claims and INIT read them) until a value lands."""
         dev.event_synchronize(self._install_event.pop(f, None))
-        for p, off, n in self._held[f]:
-            master = self._x._pieces[p].master[off : off + n]
-            self._x.anchor_of(p)[off : off + n].copy_(master)
-        self._x._anchored.add(f)
+        if f not in self._own:
+            for p, off, n in self._held[f]:
+                self._x.anchor_of(p)[off : off + n].copy_(self._x._pieces[p].master[off : off + n])
+            self._own.add(f)
+        if mark:
+            self._x._anchored.add(f)
+
+    def own_views(self, f: int) -> Tensors | None:
+        """Sync rank: ``f``'s starting value as host tensors without a copy (plan order): its
+        anchors after :meth:`anchor_own`, when it holds ``f`` whole; else None (gather it)."""
+        whole = self._whole[f]
+        if whole is None or f not in self._own:
+            return None
+        return [(name, self._x.anchor_of(p)[off : off + spec.numel].view(spec.shape))
+                for (name, p, off), spec in zip(whole, self._x._plan.specs_of(f))]
 
     # ------------------------------------------------------------------ background worker
     def _snap_of(self, p: int, off: int, n: int) -> torch.Tensor:
@@ -452,6 +464,7 @@ class DataPath:
         x = self._x
         route = x._routes[f]
         self._staged_arrival[f] = arrival
+        self._own.discard(f)
         sent = self._sent.pop(f, None)
         if sent is not None and not sent.wait(timeout_s):
             raise TimeoutError(f"stage({f}): the client still reads the push of fragment {f} after {timeout_s:.0f}s")

@@ -145,7 +145,8 @@ class StartFinish:
         t0 = time.monotonic()
         digests: list[str] = []
         for f in range(self.plan.n_fragments):
-            values = self.data.master_views(f)  # the sync rank only; then no other rank sends
+            self.data.anchor_own(f, mark=False)  # one copy down; the claim, INIT and a HELD read it
+            values = self.data.own_views(f) or self.data.master_views(f)  # sync rank; then no rank sends
             if values is None:
                 values = self.transfer.export_fragment(f, delta=False)
             if values is not None:
@@ -172,7 +173,9 @@ class StartFinish:
                         break
             self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                             self.cfg.sync_rank))
-            values = self.data.master_views(f)  # identical on every rank: no gather needed then
+            # Identical on every rank (the anchors holding our own masters, or the masters on the
+            # host): then no gather is needed, and nothing is copied for the wire.
+            values = self.data.own_views(f) or self.data.master_views(f)
             if values is None:
                 values = self.transfer.export_fragment(f, delta=False)
             if self.is_sync:
