@@ -396,9 +396,9 @@ class DataPath:
         dev.event_synchronize(self._snap_event)
         route = x._routes[f]
         whole = self._whole[f]
-        on_host = whole is not None and all(x._pieces[p].master.device.type == "cpu" for _, p, _ in whole)
-        if whole is not None and (f not in self._slotless or on_host):
-            # After the last step (slotless) the masters themselves are θ_push: they no longer move.
+        if whole is not None:
+            # After the last step (slotless) the masters themselves are θ_push: they no longer move
+            # (on a device, DeltaSource copies them down one part at a time).
             names = [name for name, _, _ in whole]
             sizes = [spec.numel for spec in x._plan.specs_of(f)]
             snaps = [(x._pieces[p].master if f in self._slotless else self._slot_views[p])[off : off + n]

@@ -33,7 +33,9 @@ class DeltaSource:
 
     Args:
         names: canonical tensor names in plan order.
-        snaps: for each tensor, the flat fp32 snapshot (θ_push) of the whole tensor.
+        snaps: for each tensor, the flat fp32 snapshot (θ_push) of the whole tensor: host memory,
+            or a device master that no longer moves (after the last step), copied down one part
+            at a time.
         anchors: for each tensor, the flat fp32 anchor of the whole tensor.
     """
 
@@ -65,7 +67,12 @@ class DeltaSource:
         segs, pos = [], 0
         for i, a, b in layout.segments(lo, hi):
             dst = None if out is None else out[pos : pos + b - a]
-            segs.append((self.names[i], torch.sub(self._snaps[i][a:b], self._anchors[i][a:b], out=dst)))
+            snap, anchor = self._snaps[i][a:b], self._anchors[i][a:b]
+            if snap.device.type != "cpu":  # a device master after the last step: one part copied down
+                dst = snap.to("cpu") if dst is None else dst.copy_(snap)
+                segs.append((self.names[i], dst.sub_(anchor)))
+            else:
+                segs.append((self.names[i], torch.sub(snap, anchor, out=dst)))
             pos += b - a
         return segs
 
@@ -73,7 +80,7 @@ class DeltaSource:
     def materialize(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
         """The whole delta as fresh tensors of the given global shapes (plan order): for tests
         and tools; the client never does this (it costs one fragment of memory)."""
-        return [(n, torch.sub(s, a).view(shape)) for n, s, a, shape in zip(self.names, self._snaps, self._anchors,
+        return [(n, torch.sub(s.to("cpu"), a).view(shape)) for n, s, a, shape in zip(self.names, self._snaps, self._anchors,
                                                                              shapes)]
 
 
