@@ -5,12 +5,12 @@ block, later blocks of that size come from the heap, and freed heap memory is ke
 the heap is trimmed and mapped again). Pinning the thresholds disables the dynamic moves. The two
 kinds of process want opposite things:
 
-* the **syncer** receives GB/s of parts through zmq (whose frames libzmq mallocs and frees, one
-  per part of up to ``--part-mib``): frames up to ``SYNCER_MMAP_BYTES`` (64 MiB) come from the
-  heap and are reused, so a received part is not page-faulted in afresh (a freshly mapped 32 MiB
-  frame caps a loopback stream at about 1.8 GB/s here, a reused one at about 2.4 GB/s), and the
-  heap is trimmed above ``SYNCER_TRIM_BYTES``, so at most that much of the freed receive buffers
-  stays resident (:func:`tune_syncer_malloc`);
+* the **syncer** receives tens of MiB of parts per second through zmq (whose frames libzmq
+  mallocs and frees): blocks above ``SYNCER_MMAP_BYTES`` are always mapped and unmapped on free,
+  and the heap is trimmed above ``SYNCER_TRIM_BYTES``, so transient receive buffers never stay
+  resident (:func:`tune_syncer_malloc`). A 64 MiB threshold (frames reused from the heap) moved a
+  bare loopback stream from 1.8 to 2.4 GB/s on the CPU machine, but the 2.7B device run with it
+  read a slower up-link (docs/PERFORMANCE.md, session 6), so it is not the default;
 * an **island** runs a training loop whose parameter-sized temporaries (AdamW's
   ``exp_avg_sq.sqrt()``, ``grad * lr``, ...) must stay on the heap and be reused, never freshly
   mapped each step: ``ISLAND_MMAP_BYTES`` = 32 MiB (glibc's maximum on 64-bit) and
