@@ -315,8 +315,8 @@ class Merge:
             ", flush" if r.flush else "",
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
         )
-        if not changed:
-            return
+        if not changed or r.flush:
+            return  # a flush commit's value goes out once, in the final cut that follows it
         # Islands that have not been given this fragment of their cut get this version with it instead.
         for isl in self.sessions.live():
             if isl.has_cut(frag.index):
