@@ -124,6 +124,16 @@ class _Sampler(threading.Thread):
         return self.peak_kib
 
 
+def _bound_address(syncer: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> str:
+    """The address a starting syncer logs that it bound (``--bind tcp://127.0.0.1:*``)."""
+    deadline = time.monotonic() + timeout_s
+    while not (m := re.search(r"bound (tcp://\S+)", log_path.read_text())):
+        if syncer.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the syncer did not start: {log_path}")
+        time.sleep(0.05)
+    return m.group(1)
+
+
 def _island_cmd(args: argparse.Namespace, island: int, addr: str, result: Path, fragments: int, wire_dtype: str,
                 no_sync: bool = False) -> list[str]:
     cmd = [sys.executable, __file__, "--role", "island", "--island", str(island), "--addr", addr,
@@ -147,11 +157,7 @@ def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wir
          *shlex.split(args.syncer_args)],
         stderr=syncer_log, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"bound (tcp://\S+)", (run / "syncer.log").read_text())):
-            if syncer.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the syncer did not start: {run}/syncer.log")
-            time.sleep(0.05)
+        addr = _bound_address(syncer, run / "syncer.log")
         time.sleep(0.3)
         syncer_idle = _status_kib(syncer.pid, "VmRSS")
         sampler = _Sampler(syncer.pid)
@@ -160,7 +166,7 @@ def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wir
         for i in range(2):
             with open(run / f"island{i}.log", "w") as lf:
                 islands.append(subprocess.Popen(
-                    _island_cmd(args, i, m.group(1), run / f"island{i}.json", fragments, wire_dtype),
+                    _island_cmd(args, i, addr, run / f"island{i}.json", fragments, wire_dtype),
                     stdout=lf, stderr=subprocess.STDOUT, start_new_session=True))
         for i, p in enumerate(islands):
             if p.wait(timeout=args.timeout_s) != 0:
@@ -195,17 +201,13 @@ def world2(args: argparse.Namespace, work: Path) -> dict:
             stderr=slog, start_new_session=True, env=env)
     islands: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"bound (tcp://\S+)", (run / "syncer.log").read_text())):
-            if syncer.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the syncer did not start: {run}/syncer.log")
-            time.sleep(0.05)
+        addr = _bound_address(syncer, run / "syncer.log")
         hidden = "64" if args.smoke else "256"
         for i, layout in enumerate(("tp2", "dp2")):
             with open(run / f"island{i}.log", "w") as lf:
                 islands.append(subprocess.Popen(
                     [sys.executable, "-m", "diloco.demo.island", "--name", f"island{i}", "--island-id", str(i),
-                     "--layout", layout, "--sync-addr", m.group(1), "--steps", str(steps), "--fragments", "2",
+                     "--layout", layout, "--sync-addr", addr, "--steps", str(steps), "--fragments", "2",
                      "--out", str(run), "--hidden", hidden, "--layers", "4", "--seq", "16", "--micro-batch", "2",
                      "--data-seed", str(i), "--timeout-s", str(args.timeout_s)],
                     stdout=lf, stderr=subprocess.STDOUT, start_new_session=True, env=env))
