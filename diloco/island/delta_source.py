@@ -80,8 +80,8 @@ class DeltaSource:
     def materialize(self, shapes: Sequence[tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
         """The whole delta as fresh tensors of the given global shapes (plan order): for tests
         and tools; the client never does this (it costs one fragment of memory)."""
-        return [(n, torch.sub(s.to("cpu"), a).view(shape)) for n, s, a, shape in zip(self.names, self._snaps, self._anchors,
-                                                                             shapes)]
+        return [(n, torch.sub(s.to("cpu"), a).view(shape))
+                for n, s, a, shape in zip(self.names, self._snaps, self._anchors, shapes)]
 
 
 class PartRing:
@@ -91,12 +91,9 @@ class PartRing:
     buffer no part in flight still reads, the oldest such first. The client computes a part only
     when fewer than ``window`` parts are in flight, so ``size = window`` always leaves one free.
 
-    Parts are not released in the order they were taken: a part whose frames are all below
-    zmq's copy threshold (the short last part of a fragment) is copied at send and done at
-    once, while the large part before it is still queued on a slow link. A plain round robin
-    then handed the next push that still-queued buffer and overwrote it under zmq: the syncer
-    received the new push's bytes in the old part's tail frames and refused the part (its chunk
-    digests, taken before, no longer matched).
+    Parts are not released in the order they were taken (a short part below zmq's copy
+    threshold is done at send, while a large part before it may still be queued on a slow
+    link), so the next buffer is chosen by release, not by turn.
 
     Allocated at first use (the part size comes with WELCOME) and again if it changes: one
     budget line, ``size × part bytes``, whatever the model or the number of fragments."""

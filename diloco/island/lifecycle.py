@@ -146,9 +146,7 @@ class StartFinish:
         digests: list[str] = []
         for f in range(self.plan.n_fragments):
             self.data.anchor_own(f, mark=False)  # one copy down; the claim, INIT and a HELD read it
-            values = self.data.own_views(f) or self.data.master_views(f)  # sync rank; then no rank sends
-            if values is None:
-                values = self.transfer.export_fragment(f, delta=False)
+            values = self._starting_values(f)
             if values is not None:
                 digests.append(tensor_digest(values))
             del values
@@ -157,6 +155,13 @@ class StartFinish:
         log.info("island %d: digests of the %d fragments we start from, to claim in HELLO (%.2fs)",
                  self.cfg.island_id, len(digests), time.monotonic() - t0)
         return digests
+
+    def _starting_values(self, f: int) -> Tensors | None:
+        """Collective: ``f``'s fp32 value as this island starts from it, global tensors on the sync
+        rank (None elsewhere). Without a copy where the sync rank holds ``f`` whole (its anchors
+        after ``anchor_own``, or host masters; then no rank sends), else ``f`` gathered."""
+        values = self.data.own_views(f) or self.data.master_views(f)
+        return values if values is not None else self.transfer.export_fragment(f, delta=False)
 
     def _stream_init(self, events: list[dict], fragments: list[int]) -> None:
         """Send these fragments' fp32 values (collective); gather the next while one is on the wire."""
@@ -173,11 +178,7 @@ class StartFinish:
                         break
             self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                             self.cfg.sync_rank))
-            # Identical on every rank (the anchors holding our own masters, or the masters on the
-            # host): then no gather is needed, and nothing is copied for the wire.
-            values = self.data.own_views(f) or self.data.master_views(f)
-            if values is None:
-                values = self.transfer.export_fragment(f, delta=False)
+            values = self._starting_values(f)
             if self.is_sync:
                 assert self.client is not None and values is not None
                 inflight.append(self.client.send_init(f, values))

@@ -270,18 +270,21 @@ class FragmentTransfer:
         assert work is not None
         return work
 
-    def _read(self, h: _Hold, n: int, delta: bool) -> torch.Tensor:
-        """A host (CPU) tensor of the segment's master, or master - anchor.
+    def _read(self, h: _Hold, n: int, delta: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host (CPU) tensor of the segment's master, or master - anchor; written into ``out``
+        when given (copied down once, no temporary), else a view of a host master or a new tensor.
 
         Masters may live on an accelerator; gloo must only ever see host memory (handed a
         CUDA tensor it crashes the process), and anchors live on the host to spare device
         memory, so the segment is copied down first.
         """
         master = self._pieces[h.piece].master[h.off : h.off + n]
+        anchor = self._anchors[h.piece][h.off : h.off + n] if delta else None
+        if out is not None:
+            out.copy_(master)
+            return out if anchor is None else out.sub_(anchor)
         host = master if master.device.type == "cpu" else master.to("cpu")
-        if not delta:
-            return host
-        return host - self._anchors[h.piece][h.off : h.off + n]
+        return host if anchor is None else host - anchor
 
     def anchor_of(self, piece: int) -> torch.Tensor:
         """The flat fp32 anchor of one local piece (the global value last installed there),
@@ -375,11 +378,7 @@ class FragmentTransfer:
             for seg, _ in items
         ]
         for seg, h in route.export.get(self._sync, []):
-            # Straight into its place (a device master copied down once, no temporary host copy).
-            dest = asm.dest(seg)
-            dest.copy_(self._pieces[h.piece].master[h.off : h.off + seg.n])
-            if delta:
-                dest.sub_(self._anchors[h.piece][h.off : h.off + seg.n])
+            self._read(h, seg.n, delta, out=asm.dest(seg))  # straight into its place
         self._wait(works)
         return asm.finish()
 

@@ -64,12 +64,11 @@ def send_tracked(sock: zmq.Socket, frames: list[Any], flags: int = 0, track: boo
     """Send one multipart message without copying; with ``track``, a tracker that is done only
     once zmq released **every** frame.
 
-    ``Socket.send_multipart(..., track=True)`` returns the tracker of the last frame alone, and a
-    frame below ``copy_threshold`` (64 KiB) is copied and reported done at once: a part whose
-    last segment is small looked released while its large frames were still queued, so its
-    buffer (a ring slot of the island's pushes) was reused under zmq and the part arrived
-    corrupted. Raises ``zmq.Again`` (nothing sent) like ``send_multipart`` with ``NOBLOCK``:
-    zmq accepts a multipart message whole or not at all."""
+    ``Socket.send_multipart(..., track=True)`` returns the last frame's tracker alone, which is
+    done at once when that frame is below ``copy_threshold`` (copied) even though larger frames
+    before it are still queued: a buffer reused on that signal would be overwritten under zmq.
+    Raises ``zmq.Again`` (nothing sent) like ``send_multipart`` with ``NOBLOCK``: zmq accepts a
+    multipart message whole or not at all."""
     trackers = []
     last = len(frames) - 1
     for i, frame in enumerate(frames):
