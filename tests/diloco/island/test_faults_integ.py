@@ -18,7 +18,7 @@ from faults_harness import Run  # noqa: E402
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(300)]
 
-LOST = "drop:CUT:2,drop:BCAST:4,fail:BCAST:9,drop:PULL:7,fail:PULL:12,fail:CUT:5,drop:FINAL:2,fail:FINAL:4"
+LOST = "drop:CUT:2,drop:BCAST:4,fail:BCAST:6,drop:PULL:7,fail:PULL:12,fail:CUT:5,drop:FINAL:2,fail:FINAL:4"
 
 
 def _finish(run: Run, timeout_s: float = 200.0) -> None:
@@ -34,7 +34,7 @@ def _finish(run: Run, timeout_s: float = 200.0) -> None:
 
 
 def test_lost_bcast_pull_cut_and_final_are_repaired(tmp_path) -> None:
-    run = Run(tmp_path, faults=LOST)
+    run = Run(tmp_path, faults=LOST, steps=80)
     run.start()
     _finish(run)
     logs = run.syncer_logs()
