@@ -299,6 +299,12 @@ class LinkWatch:
                            rtt_s=link.rtt_s, round_s=fit.up_s + fit.down_s if fit else 0.0,
                            window_s=fit.window_s if fit else 0.0)
 
+    def predicted(self, islands: Iterable[int]) -> dict[str, float]:
+        """Per island (a JSON key), one round's predicted transfer (push up + value down), seconds,
+        rounded to ms; islands without a prediction yet are left out."""
+        return {str(i): round(self.last_fit[i].up_s + self.last_fit[i].down_s, 3)
+                for i in islands if i in self.last_fit}
+
     def summary(self) -> str:
         """Per island: measured up/down MB/s and step time, for the status line."""
         return " ".join(f"i{i}:{lk.up.rate / 1e6:.3g}/{lk.down.rate / 1e6:.3g}MB/s,{lk.step_s * 1e3:.0f}ms/step"
