@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from diloco import wire
@@ -36,6 +38,18 @@ def test_a_large_enough_h_fits_and_the_needed_h_does() -> None:
     assert again.fits and again.need_sync_every == slow.need_sync_every
     fast = predict_fit(FRAGMENT, "float32", 1e9, 1e9, 0.0, sync_every=20, n_fragments=2, step_s=0.5)
     assert fast.fits and fast.need_sync_every == 20
+
+
+def test_the_commit_counts_between_the_push_and_the_broadcast() -> None:
+    # The 2.7B device run: 2.6 GB fragments, ~1 GB/s up, ~1.9 GB/s down, 1.15 s steps, H 16, P 4.
+    numel = 2590 * 2**20 // 4
+    bare = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15)
+    fit = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15, commit_s=0.45)
+    assert bare.fits and bare.round_s == pytest.approx(bare.up_s + bare.down_s)
+    assert fit.round_s == pytest.approx(bare.round_s + 0.45) and fit.commit_s == 0.45
+    slow = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15, commit_s=1.97)  # its worst commit
+    assert not slow.fits and slow.need_sync_every == math.ceil(slow.round_s * 4 / 1.15)
+    assert "plus 2 s to merge" in advice(0, slow, 1.04e9, 1.9e9, "float32")
 
 
 def test_rtt_and_dtypes_count() -> None:
