@@ -312,11 +312,14 @@ class LinkWatch:
                            rtt_s=link.rtt_s, round_s=fit.round_s if fit else 0.0,
                            window_s=fit.window_s if fit else 0.0)
 
-    def predicted(self, islands: Iterable[int]) -> dict[str, float]:
-        """Per island (a JSON key), one round's predicted transfer (push up, commit, value down), seconds,
-        rounded to ms; islands without a prediction yet are left out."""
-        return {str(i): round(self.last_fit[i].round_s, 3)
-                for i in islands if i in self.last_fit}
+    def annotated(self, event: dict[str, Any]) -> dict[str, Any]:
+        """An event-log record, a commit (``pushed``) with ``predicted_s`` added: per pushing island
+        (a JSON key), one round's predicted transfer (push up, commit, value down), seconds, rounded
+        to ms; islands without a prediction yet are left out. Other records are returned as they are."""
+        if "pushed" not in event:
+            return event
+        fits = self.last_fit
+        return {**event, "predicted_s": {str(i): round(fits[i].round_s, 3) for i in event["pushed"] if i in fits}}
 
     def summary(self) -> str:
         """Per island: measured up/down MB/s and step time, for the status line."""
