@@ -75,6 +75,25 @@ class RoundFit:
     q4_ratio: float
 
 
+@dataclass(frozen=True)
+class LinkFigures:
+    """One island's link as the syncer measures it (0: not measured yet).
+
+    Attributes:
+        up_bytes_s: data bytes per second of its pushes and INIT parts arriving (smoothed).
+        down_bytes_s: value bytes per second reaching it (its own figure, else zmq's hand-off).
+        rtt_s: round-trip time as the island measured it.
+        round_s: one round's predicted transfer, push up + broadcast down (:func:`predict_fit`).
+        window_s: seconds between two rounds at the measured step time.
+    """
+
+    up_bytes_s: float = 0.0
+    down_bytes_s: float = 0.0
+    rtt_s: float = 0.0
+    round_s: float = 0.0
+    window_s: float = 0.0
+
+
 def _round_up_2sig(x: float) -> int:
     """Round up to two significant digits: 107.4 -> 110, 9.2 -> 10, 1234 -> 1300."""
     if x <= 10:
@@ -270,10 +289,26 @@ class LinkWatch:
                 self.warnings += 1
                 log.warning("%s", advice(i, fit, link.up.rate, down, isl.wire_dtype))
 
+    def figures(self, island: int) -> LinkFigures:
+        """What the metrics show of one island's link (zeros until measured; an unknown island: zeros)."""
+        if not 0 <= island < len(self.links):
+            return LinkFigures()
+        link = self.links[island]
+        fit = self.last_fit.get(island)
+        return LinkFigures(up_bytes_s=link.up.rate, down_bytes_s=link.island_down or link.down.rate,
+                           rtt_s=link.rtt_s, round_s=fit.up_s + fit.down_s if fit else 0.0,
+                           window_s=fit.window_s if fit else 0.0)
+
+    def predicted(self, islands: Iterable[int]) -> dict[str, float]:
+        """Per island (a JSON key), one round's predicted transfer (push up + value down), seconds,
+        rounded to ms; islands without a prediction yet are left out."""
+        return {str(i): round(self.last_fit[i].up_s + self.last_fit[i].down_s, 3)
+                for i in islands if i in self.last_fit}
+
     def summary(self) -> str:
         """Per island: measured up/down MB/s and step time, for the status line."""
         return " ".join(f"i{i}:{lk.up.rate / 1e6:.3g}/{lk.down.rate / 1e6:.3g}MB/s,{lk.step_s * 1e3:.0f}ms/step"
                         for i, lk in enumerate(self.links))
 
 
-__all__ = ["LinkWatch", "RateMeter", "RoundFit", "advice", "predict_fit", "wire_bytes_per_elem"]
+__all__ = ["LinkFigures", "LinkWatch", "RateMeter", "RoundFit", "advice", "predict_fit", "wire_bytes_per_elem"]

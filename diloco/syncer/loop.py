@@ -273,6 +273,8 @@ class SyncerLoop:
         if self._events is None or not events:
             return
         for ev in events:
+            if "pushed" in ev:  # a commit: each pusher's predicted round transfer, against the measured one
+                ev = {**ev, "predicted_s": self.links.predicted(ev["pushed"])}
             self._events.write(json.dumps({"wall_time": time.time(), **ev}, sort_keys=True) + "\n")
         self._events.flush()
 

@@ -6,7 +6,7 @@ import pytest
 
 from diloco import wire
 from diloco.island.liveness import Liveness
-from diloco.syncer.links import RoundFit, _changed, advice, predict_fit, wire_bytes_per_elem
+from diloco.syncer.links import LinkFigures, LinkWatch, RoundFit, _changed, advice, predict_fit, wire_bytes_per_elem
 from diloco.wire.rates import RateMeter
 
 pytestmark = pytest.mark.timeout(30)
@@ -59,6 +59,20 @@ def test_a_warning_is_repeated_only_when_the_verdict_changes() -> None:
     assert _changed((False, 100), fit(False, 140))
     assert _changed((False, 100), fit(True, 20))
     assert not _changed((True, 20), fit(True, 20))
+
+
+def test_link_figures_are_the_measured_rates_and_the_last_prediction() -> None:
+    watch = LinkWatch(n_islands=2)
+    assert watch.figures(0) == LinkFigures() and watch.figures(7) == LinkFigures()
+    for k in range(11):
+        watch.on_receive(1, 1_000_000, k * 0.1)  # 10 MB/s up from island 1
+    watch.on_receive(1, 0, 1.2, wire.Heartbeat(island=1, down_bytes_s=4_000_000, rtt_us=50_000))
+    fit = predict_fit(FRAGMENT, "q4", 10e6, 4e6, 0.05, sync_every=20, n_fragments=2, step_s=0.5)
+    watch.last_fit[1] = fit
+    got = watch.figures(1)
+    assert got.up_bytes_s == pytest.approx(10e6) and got.down_bytes_s == 4e6 and got.rtt_s == pytest.approx(0.05)
+    assert got.round_s == pytest.approx(fit.up_s + fit.down_s) and got.window_s == fit.window_s == 5.0
+    assert watch.figures(0) == LinkFigures()  # island 0 moved nothing
 
 
 def test_rate_meter_times_bursts_not_idle_time() -> None:
