@@ -16,12 +16,12 @@ for job in "$@"; do
   echo "=== $job $(date +%T)"
   case "$job" in
     probe) install; PYTHONPATH=$REPO python3 "$REPO/scripts/probe_fork.py" --gib 8 2>&1 | tail -3 ;;
-    wan) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/wan" 2>&1 | grep '^{' ;;
+    wan*) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/$job" ${WAN_ARGS:-} 2>&1 | grep '^{' ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
     *) install; OUT=$WORKDIR SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "$job" "$WHEELS" >/dev/null 2>&1
        grep -v "^\s*$" "$WORKDIR/$job/report.txt" | grep -v "loss lines\|'loss'" | tail -45 ;;
   esac
+  tar -czf "$DEST/results.tgz" -C "$WORKDIR" --exclude='*.pt' --exclude='ckpt' . 2>/dev/null  # after every job
 done
-tar -czf "$DEST/results.tgz" -C "$WORKDIR" --exclude='*.pt' --exclude='ckpt' . 2>/dev/null
 echo "=== done $(date +%T)"

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
-    p.add_argument("--io-threads", type=int, default=0,
+    p.add_argument("--io-threads", type=int, default=1,
                    help="zmq I/O threads, each carrying some islands' connections (0: one per island, at most 4)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections in all; one more is shut down at once and counted")
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
                           data_threads=args.data_threads, window=args.stream_window, curve=curve,
                           caps=caps)
-    # One zmq I/O thread moves about 2 GB/s: every island's pushes and broadcasts through one thread
-    # is what a round of a multi-GB fragment waits on (docs/PERFORMANCE.md), so each island gets one.
+    # One I/O thread by default: two (one per island) made the 2.7B device run's uplink 3x slower
+    # (docs/PERFORMANCE.md, session 7), though the downlink went faster.
     io_threads = args.io_threads or max(1, min(4, config.islands))
     log.info("zmq I/O threads: %d (--io-threads)", io_threads)
     try:
