@@ -115,6 +115,14 @@ class SyncClient:
     def ring(self) -> PartRing:
         return self.protocol.ring
 
+    def part_budget(self) -> dict[str, int]:
+        """Most bytes of parts this connection holds at once, by kind (the start-up log): the push
+        ring (``WINDOW`` fp32 parts, allocated at the first push) and received parts (zmq's queue
+        of ``RECEIVE_HWM``, the part its I/O thread reads and the one we copy, in zmq's arena).
+        Sized by the syncer's ``--part-mib`` (WELCOME), whatever the model."""
+        part = 4 * self.protocol.part_elems
+        return {"push_ring": WINDOW * part, "receive_parts_max": (RECEIVE_HWM + 2) * part}
+
     @property
     def generation(self) -> int:
         """The generation of the current connection (thread-safe)."""
