@@ -13,9 +13,11 @@ the same run:
   from one seed and claim it, so no cut is downloaded, docs/PROTOCOL.md "Claimed values");
 * ``finish_over_floor``: finish time over its floor (one push of every fragment up, the final
   fp32 cut down);
-* ``predicted_s`` / ``measured_s``: one round's transfer (push up + broadcast down) as
-  ``diloco.syncer.links.predict_fit`` predicts it from the link, and as measured (bytes of the
-  islands' pushes and received values over the link's carried bytes per second);
+* ``predicted_s`` / ``measured_s``: one round's transfer (push up + broadcast down) as the
+  syncer predicted it from the link it measured (each commit event's ``predicted_s``, for the
+  island that pushed last), and as measured: push → merged value in at that island (step logs:
+  the push record's ``time`` to the apply's ``arrived_at``); medians over the training rounds,
+  and ``predicted_over_measured``. ``nominal_s``: the same prediction from the emulated rate;
 * ``rejoins``: redials of both islands (0 expected).
 
 The last line is one JSON object.  ``--smoke``: a 2 MiB model at 4 MB/s, one case, seconds.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +42,45 @@ from diloco.steplog import read_steplog  # noqa: E402
 from diloco.syncer.links import predict_fit, wire_bytes_per_elem  # noqa: E402
 
 log = logging.getLogger("bench_wan")
+
+
+def _round_latencies(steplogs: list[Path]) -> dict[tuple[int, int], tuple[int, float]]:
+    """Per training round (fragment, round), its transfer as measured: push → merged value in, at
+    the island that pushed last (it waits for no other island's push), from the step logs: a
+    push's record ``time`` (the end of the boundary that queued it) to its round's apply
+    ``arrived_at`` (the last part in). Returns (that island, seconds). It includes the syncer's
+    commit, which is small beside the link."""
+    pushed: dict[tuple[int, int], dict[int, float]] = {}
+    arrived: dict[tuple[int, int], dict[int, float]] = {}
+    for i, path in enumerate(steplogs):
+        for rec in read_steplog(str(path)):
+            for e in rec.events:
+                if e["type"] == "push" and e["data_bytes"] > 0 and not e["dropped"]:
+                    pushed.setdefault((e["fragment"], e["round"]), {})[i] = rec.time
+                elif e["type"] == "apply" and "arrived_at" in e:
+                    arrived.setdefault((e["fragment"], e["round"]), {})[i] = e["arrived_at"]
+    out = {}
+    for key, at in arrived.items():
+        starts = pushed.get(key, {})
+        if len(starts) == len(steplogs) and set(at) == set(starts):
+            last = max(starts, key=lambda i: starts[i])
+            out[key] = (last, at[last] - starts[last])
+    return out
+
+
+def _predicted_vs_measured(commits: list[dict], measured: dict[tuple[int, int], tuple[int, float]]
+                           ) -> tuple[float, float, int]:
+    """Medians over the rounds that have both: the syncer's own prediction for the island that
+    pushed last (the commit event's ``predicted_s``, from the link it measured) and the measured
+    transfer. Returns (predicted s, measured s, rounds)."""
+    pairs = []
+    for c in commits:
+        got = measured.get((c["fragment"], c["round"]))
+        if got is not None and str(got[0]) in c.get("predicted_s", {}):
+            pairs.append((c["predicted_s"][str(got[0])], got[1]))
+    if not pairs:
+        return float("nan"), float("nan"), 0
+    return statistics.median(p for p, _ in pairs), statistics.median(m for _, m in pairs), len(pairs)
 
 
 def _case(name: str, rate: float, delay: float, dtype: str, args: argparse.Namespace, out: Path) -> dict:
@@ -65,16 +107,13 @@ def _case(name: str, rate: float, delay: float, dtype: str, args: argparse.Names
     commits = [c for c in commits if "pushed" in c]
     scheduled = args.steps * args.fragments // args.sync_every
     installed = sum(1 for c in commits if c.get("changed") and not c.get("flush"))
-    bcast = "bfloat16" if dtype in ("int8", "q4") else dtype
     # INIT up only: both islands start from one seed and claim it, so neither downloads its cut (HELD).
     start_floor = model_bytes / rate
     finish_floor = model_bytes * wire_bytes_per_elem(dtype) / 4 / rate + model_bytes / rate  # pushes up, fp32 final
     fit = predict_fit(frag_elems, dtype, rate, rate, 2 * delay, args.sync_every, args.fragments, args.step_s)
-    # Measured: one round's bytes (a push up, a broadcast down) at the throughput the finish achieved
-    # (its bytes are known: every fragment pushed up, the fp32 final cut down).
     finish_s = max(r.get("finish_s", 0) for r in res.islands) or float("nan")
-    achieved = (model_bytes * wire_bytes_per_elem(dtype) / 4 + model_bytes) / finish_s
-    measured = frag_elems * (wire_bytes_per_elem(dtype) + wire_bytes_per_elem(bcast)) / achieved + 2 * delay
+    latencies = _round_latencies([out / f"island{i}.steplog.jsonl" for i in range(2)])
+    predicted, measured, n_rounds = _predicted_vs_measured([c for c in commits if not c.get("flush")], latencies)
     return {
         "case": name, "ok": ok, "wall_s": round(wall, 1),
         "sync_share": round(max(share), 4),
@@ -82,7 +121,9 @@ def _case(name: str, rate: float, delay: float, dtype: str, args: argparse.Names
         "start_s": round(max(r.get("start_s", 0) for r in res.islands), 2),
         "start_over_floor": round(max(r.get("start_s", 0) for r in res.islands) / start_floor, 3),
         "finish_s": round(finish_s, 2), "finish_over_floor": round(finish_s / finish_floor, 3),
-        "predicted_s": round(fit.up_s + fit.down_s, 2), "measured_s": round(measured, 2),
+        "nominal_s": round(fit.up_s + fit.down_s, 2), "predicted_s": round(predicted, 2),
+        "measured_s": round(measured, 2), "measured_rounds": n_rounds,
+        "predicted_over_measured": round(predicted / measured, 3),
         "fits": fit.fits, "need_sync_every": fit.need_sync_every,
         "rejoins": sum(r.get("redials", 0) for r in res.islands),
         "warned": "raise --sync-every" in res.syncer_log,
@@ -101,14 +142,17 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every link rate (e.g. 0.1 with a 10x smaller model)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default="", help="comma-separated case names (default: all four)")
     p.add_argument("--smoke", action="store_true", help="a 2 MiB model at 4 MB/s, one case (seconds)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cases = [("50MBps_25ms_fp32", 50e6, 0.025, "float32"), ("50MBps_25ms_q4", 50e6, 0.025, "q4"),
              ("10MBps_50ms_fp32", 10e6, 0.050, "float32"), ("10MBps_50ms_q4", 10e6, 0.050, "q4")]
     if args.smoke:
-        args.model_mib, args.width, args.steps, args.sync_every, args.step_s, args.part_mib = 2, 256, 12, 6, 0.05, 0.5
+        args.model_mib, args.width, args.steps, args.sync_every, args.step_s, args.part_mib = 2, 256, 16, 8, 0.2, 0.5
         cases = [("smoke_4MBps_10ms_fp32", 4e6, 0.010, "float32")]
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only.split(",")]
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_wan_"))
     rows = []
     for name, rate, delay, dtype in cases:

@@ -122,7 +122,9 @@ class StepRecord(BoundaryRecord):
     refused (failed validation) since the previous record. ``{"type": "link", "up_bytes_s",
     "down_bytes_s", "rtt_s", "queue", "data_bytes": 0}``: the link to the syncer as the client
     measures it (smoothed), in records that pushed or applied. An ``apply`` also carries
-    ``commit_s``, the syncer's commit time of that version. Readers ignore types they do not know."""
+    ``commit_s``, the syncer's commit time of that version, and ``arrived_at``, the wall time
+    its last part arrived (so its push record's ``time`` → ``arrived_at`` is the round's latency
+    as this island saw it: push up, the syncer's wait and commit, broadcast down). Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int

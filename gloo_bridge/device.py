@@ -10,9 +10,12 @@ for it or fail on it.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import logging
+import mmap
+import sys
 
 import torch
 
@@ -146,13 +149,39 @@ _REGISTERED: dict[int, torch.Tensor] = {}
 """Buffers page-locked by cudaHostRegister, by address: kept alive until free_host_buffer."""
 
 
+DONT_FORK_MIN_BYTES = 64 << 20
+"""Registered buffers at least this large are left out of forked children (``MADV_DONTFORK``).
+glibc maps every block above 32 MiB on its own, so the advice dies with the buffer's mapping
+and never reaches memory the heap hands out later."""
+
+_MADV_DONTFORK = 10
+_MADV_DOFORK = 11
+
+
+def _fork_advice(ptr: int, nbytes: int, advice: int) -> bool:
+    """``madvise`` the whole pages inside ``[ptr, ptr + nbytes)``; True when it was applied."""
+    if nbytes < DONT_FORK_MIN_BYTES or not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return end > start and libc.madvise(start, end - start, advice) == 0
+
+
 def _registered_buffer(nbytes: int) -> torch.Tensor | None:
-    """``nbytes`` of plain host memory page-locked in place by cudaHostRegister (None if refused)."""
+    """``nbytes`` of plain host memory page-locked in place by cudaHostRegister (None if refused).
+
+    A large one is also marked ``MADV_DONTFORK``: the kernel copies page-locked pages into a
+    forked child at ``fork()`` (they cannot be shared copy-on-write), so a training job that forks
+    (checkpoint writers, data-loader workers) would otherwise copy every anchor. No child needs
+    them: the data path runs in the process that allocated them."""
     cudart = torch.cuda.cudart()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
     if int(err) != 0:
         return None
+    _fork_advice(buf.data_ptr(), nbytes, _MADV_DONTFORK)
     _REGISTERED[buf.data_ptr()] = buf
     return buf
 
@@ -164,6 +193,7 @@ def free_host_buffer(buf: torch.Tensor) -> None:
     held = _REGISTERED.pop(ptr, None)
     if held is not None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
+        _fork_advice(ptr, held.numel(), _MADV_DOFORK)
 
 
 # ---------------------------------------------------------------------------

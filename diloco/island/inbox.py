@@ -200,7 +200,7 @@ class Inbox:
         if isinstance(h, wire.Pull):
             self._on_pull(h)
         elif isinstance(h, wire.Bcast):
-            self._on_bcast(h, tensors, arrival)
+            self._on_bcast(h, tensors, arrival, now)
         elif isinstance(h, wire.Held):
             self._on_held(h)
         elif isinstance(h, wire.Final):
@@ -351,7 +351,7 @@ class Inbox:
             for k in sorted(self._pulls_taken, key=lambda k: k[1])[: len(self._pulls_taken) // 2]:
                 del self._pulls_taken[k]
 
-    def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0) -> None:
+    def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0, now: float = 0.0) -> None:
         if self._final or self._final_ack is not None:
             return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
         floor = self._accepted_version[h.fragment]
@@ -364,7 +364,7 @@ class Inbox:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
         nbytes = self._layouts[h.fragment].numel * ITEMSIZE[wire.bcast_dtype(self._cfg.wire_dtype)]
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival,
-                                                 h.commit_us, wire_nbytes=nbytes)
+                                                 h.commit_us, arrived=now, wire_nbytes=nbytes)
 
     def _on_held(self, h: wire.Held) -> None:
         """A HELD notice: our claimed value of the fragment is the syncer's at ``version``; parked

@@ -135,8 +135,10 @@ class Landings:
             held = {"held": True} if value.held else {}
             events.append({"type": "cut", "fragment": f, "version": value.version, **extra, **held})
         else:
+            # When its last part arrived, in wall time (the step log's clock): push → arrival is the round's latency.
+            arrived = {"arrived_at": time.time() - (time.monotonic() - value.arrived)} if value.arrived else {}
             events.append({"type": "apply", "fragment": f, "version": value.version, "round": value.round, **extra,
-                           "lag_steps": lag, "commit_s": value.commit_us / 1e6})
+                           "lag_steps": lag, "commit_s": value.commit_us / 1e6, **arrived})
 
     # ------------------------------------------------------------------ rounds (step boundary)
     def _install_all(self, orders: Orders, events: list[dict]) -> float:

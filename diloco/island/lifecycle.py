@@ -28,6 +28,7 @@ from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
 from diloco.island.datapath import DataPath
 from diloco.island.exchange import broadcast_orders
+from diloco.island.liveness import CutWatch
 from diloco.island.orders import Orders
 from diloco.island.planner import Planner
 from diloco.island.transfer import FragmentTransfer
@@ -202,22 +203,20 @@ class StartFinish:
         Returns the seconds spent applying."""
         deadline = time.monotonic() + timeout_s
         apply_s = 0.0
-        progress_at, had = time.monotonic(), -1
+        # A lost cut message (a connection reset) is never resent on its own: the watch rejoins,
+        # and the syncer sends the whole cut again. Not while the cut's bytes (or island 0's INIT
+        # before it) still move, nor while another island's INIT is what we wait for.
+        watch = None if self.client is None else CutWatch(
+            self.client.liveness, self.cfg.island_id, self.cfg.sync_timeout_s,
+            sum(self.plan.nbytes(f) for f in range(self.plan.n_fragments)), time.monotonic())
         while True:
             orders = None
             if self.is_sync:
-                assert self.client is not None
+                assert self.client is not None and watch is not None
                 try:
                     have = [s for s in self.planner.slots if s.version >= 0 or s.pending is not None]
-                    if len(have) != had:
-                        progress_at, had = time.monotonic(), len(have)
-                    elif time.monotonic() - max(progress_at, self.client.liveness.cut_progress_at) > \
-                            self.cfg.sync_timeout_s:
-                        # A lost cut message (a connection reset) is never resent on its own: rejoin,
-                        # and the syncer sends the whole cut again. Not while the cut's bytes (or
-                        # island 0's INIT before it) still move (PROGRESS notices, diloco.island.liveness).
+                    if watch.rejoin_now(len(have), time.monotonic()):
                         self.client.rejoin()
-                        progress_at = time.monotonic()
                     if len(have) < self.plan.n_fragments:
                         self.client.wait_bcast(min(0.5, max(0.0, deadline - time.monotonic())))
                     self._collect()
@@ -232,15 +231,18 @@ class StartFinish:
                         orders.stop = "cut installed"
                     elif time.monotonic() >= deadline:
                         orders.stop = "initial cut timeout"
-                        log.warning("initial cut: %d of %d fragments after %.0fs; the rest is applied at the "
-                                    "step boundaries", len(got), self.plan.n_fragments, timeout_s)
+                        waits = watch.waiting_on()
+                        log.warning("initial cut: %d of %d fragments after %.0fs%s; the rest is applied at the "
+                                    "step boundaries", len(got), self.plan.n_fragments, timeout_s,
+                                    f" ({waits})" if waits else "")
                 except SyncError as exc:
                     orders = Orders(error=str(exc))
             orders = broadcast_orders(orders, self.group, self.cfg.sync_rank)
             self._raise_if(orders)
             if orders.init_fragments:
                 self._stream_init(events, orders.init_fragments)
-                progress_at = time.monotonic()
+                if watch is not None:
+                    watch.moved(time.monotonic())
             apply_s += self._install_initial(orders, events)
             if self.is_sync and orders.applies:
                 done = sum(s.version >= 0 for s in self.planner.slots)

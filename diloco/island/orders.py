@@ -36,6 +36,8 @@ class PendingBcast:
     """The syncer's commit time of this version (BCAST ``commit_us``; 0: a cut, unknown)."""
     held: bool = False
     """A HELD notice (``tensors`` empty): the island's own value is this cut, bit for bit."""
+    arrived: float = 0.0
+    """Monotonic time (the connection's clock) its last part arrived; 0: unknown."""
     wire_nbytes: int | None = None
     """Payload bytes as received (a bf16 value may have landed upcast in fp32 anchors); None:
     the tensors' own bytes."""
@@ -59,6 +61,8 @@ class Value(msgspec.Struct, frozen=True):
     """The syncer's commit time of this version, microseconds (0: a cut, or unknown)."""
     held: bool = False
     """A cut the island already holds (HELD): every rank anchors its own masters, no bytes move."""
+    arrived: float = 0.0
+    """Monotonic time on the sync rank's clock its last part arrived (0: unknown, or a HELD)."""
 
 
 class PushOrder(msgspec.Struct, frozen=True):

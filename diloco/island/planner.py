@@ -398,4 +398,4 @@ class Planner:
 
 
 def _value_of(b: PendingBcast) -> Value:
-    return Value(b.fragment, b.version, b.round, b.cut, b.commit_us, b.held)
+    return Value(b.fragment, b.version, b.round, b.cut, b.commit_us, b.held, b.arrived)

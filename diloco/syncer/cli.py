@@ -17,6 +17,8 @@ import signal
 import sys
 from types import FrameType
 
+import zmq
+
 from diloco.hostmem import tune_syncer_malloc
 from diloco.keys import read_key_file
 from diloco.security import ServerCurve
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
+    p.add_argument("--io-threads", type=int, default=0,
+                   help="zmq I/O threads, each carrying some islands' connections (0: one per island, at most 4)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections in all; one more is shut down at once and counted")
     p.add_argument("--max-connections-per-address", type=int, default=64,
@@ -214,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
+        if not 0 <= args.io_threads <= 64:
+            raise ConfigError(f"--io-threads: must be 0 (one per island, at most 4) to 64, got {args.io_threads}")
         if args.stream_window < 1:
             raise ConfigError(f"--stream-window: must be >= 1, got {args.stream_window}")
         if args.resume and not args.checkpoint_dir:
@@ -263,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
                           data_threads=args.data_threads, window=args.stream_window, curve=curve,
                           caps=caps)
+    # One zmq I/O thread moves about 2 GB/s: every island's pushes and broadcasts through one thread
+    # is what a round of a multi-GB fragment waits on (docs/PERFORMANCE.md), so each island gets one.
+    io_threads = args.io_threads or max(1, min(4, config.islands))
+    log.info("zmq I/O threads: %d (--io-threads)", io_threads)
     try:
-        loop = SyncerLoop(state, options, store)
+        loop = SyncerLoop(state, options, store, context=zmq.Context(io_threads=io_threads))
     except Exception as e:  # zmq.ZMQError on a bad endpoint, OSError on the event log
         log.error("--bind/--event-log: cannot start: %s", e)
         return EXIT_CONFIG

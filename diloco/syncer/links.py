@@ -62,6 +62,7 @@ class RoundFit:
         q4_up_s, q4_down_s: the same with q4 pushes (broadcasts then bf16).
         q4_fits: whether q4 pushes alone would fit at the current H.
         q4_ratio: q4 push bytes over the current push bytes.
+        commit_s: the syncer's commit of one fragment, between the two (measured; 0: unknown).
     """
 
     up_s: float
@@ -73,6 +74,31 @@ class RoundFit:
     q4_down_s: float
     q4_fits: bool
     q4_ratio: float
+    commit_s: float = 0.0
+
+    @property
+    def round_s(self) -> float:
+        """One round's transfer as predicted: push up, commit, value down."""
+        return self.up_s + self.commit_s + self.down_s
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """One island's link as the syncer measures it (0: not measured yet).
+
+    Attributes:
+        up_bytes_s: data bytes per second of its pushes and INIT parts arriving (smoothed).
+        down_bytes_s: value bytes per second reaching it (its own figure, else zmq's hand-off).
+        rtt_s: round-trip time as the island measured it.
+        round_s: one round's predicted transfer: push up, commit, broadcast down (:func:`predict_fit`).
+        window_s: seconds between two rounds at the measured step time.
+    """
+
+    up_bytes_s: float = 0.0
+    down_bytes_s: float = 0.0
+    rtt_s: float = 0.0
+    round_s: float = 0.0
+    window_s: float = 0.0
 
 
 def _round_up_2sig(x: float) -> int:
@@ -84,13 +110,15 @@ def _round_up_2sig(x: float) -> int:
 
 
 def predict_fit(fragment_elems: int, push_dtype: str, up_bytes_s: float, down_bytes_s: float, rtt_s: float,
-                sync_every: int, n_fragments: int, step_s: float, quant_block: int = 64) -> RoundFit:
+                sync_every: int, n_fragments: int, step_s: float, quant_block: int = 64,
+                commit_s: float = 0.0) -> RoundFit:
     """Does one round's transfer fit between two rounds?  Pure; every argument in base units.
 
     A round syncs one fragment: the island pushes it up (``push_dtype``) and gets the merged
-    value down (fp32/bf16, see ``wire.bcast_dtype``).  Rounds come every ``H / P`` steps, and
-    one island's link carries every round, so the push and the broadcast of a round must be
-    through before the next round's start: ``up + down <= H / P * step_s``.
+    value down (fp32/bf16, see ``wire.bcast_dtype``), after the syncer's commit (``commit_s``,
+    as measured).  Rounds come every ``H / P`` steps, and one island's link carries every round,
+    so the push, the commit and the broadcast of a round must be through before the next
+    round's start: ``up + commit + down <= H / P * step_s``.
 
     Raises:
         ValueError: a rate, H, P or the step time is not positive.
@@ -108,18 +136,21 @@ def predict_fit(fragment_elems: int, push_dtype: str, up_bytes_s: float, down_by
     up, down = times(push_dtype)
     q4_up, q4_down = times("q4")
     window = Schedule(sync_every, n_fragments).spacing_steps * step_s
-    need = _round_up_2sig((up + down) * n_fragments / step_s)
-    return RoundFit(up_s=up, down_s=down, window_s=window, fits=up + down <= window,
-                    need_sync_every=max(need, sync_every) if up + down > window else sync_every,
-                    q4_up_s=q4_up, q4_down_s=q4_down, q4_fits=q4_up + q4_down <= window,
-                    q4_ratio=wire_bytes_per_elem("q4", quant_block) / wire_bytes_per_elem(push_dtype, quant_block))
+    commit = max(0.0, commit_s)
+    total = up + commit + down
+    need = _round_up_2sig(total * n_fragments / step_s)
+    return RoundFit(up_s=up, down_s=down, window_s=window, fits=total <= window,
+                    need_sync_every=max(need, sync_every) if total > window else sync_every,
+                    q4_up_s=q4_up, q4_down_s=q4_down, q4_fits=q4_up + commit + q4_down <= window,
+                    q4_ratio=wire_bytes_per_elem("q4", quant_block) / wire_bytes_per_elem(push_dtype, quant_block),
+                    commit_s=commit)
 
 
 def advice(island: int, fit: RoundFit, up_bytes_s: float, down_bytes_s: float, push_dtype: str) -> str:
     """One line for the operator: the link, what a round needs, and the fix."""
     rate = min(up_bytes_s, down_bytes_s)
     text = (f"island {island}'s link carries {rate / 1e6:.3g} MB/s; a fragment takes {fit.up_s:.3g} s up and "
-            f"{fit.down_s:.3g} s down, rounds come every {fit.window_s:.3g} s: raise --sync-every to "
+            f"{fit.down_s:.3g} s down{f' (plus {fit.commit_s:.2g} s to merge)' if fit.commit_s >= 0.05 else ''}, rounds come every {fit.window_s:.3g} s: raise --sync-every to "
             f">= {fit.need_sync_every}")
     if push_dtype != "q4":
         q4 = "enough alone" if fit.q4_fits else f"{fit.q4_up_s:.3g} s up and {fit.q4_down_s:.3g} s down"
@@ -249,6 +280,7 @@ class LinkWatch:
         if state.phase != "running" or not state.initialised:
             return
         biggest = max(f.layout.numel for f in state.fragments if f.layout is not None)
+        commit_s = max(f.commit_s for f in state.fragments)  # the slowest fragment's latest commit
         log.debug("links: %s", self.summary())
         for i, (link, isl) in enumerate(zip(self.links, state.islands)):
             if not (isl.bound and isl.alive) or isl.done or link.step_s <= 0:
@@ -257,7 +289,7 @@ class LinkWatch:
             if link.up.rate <= 0 or down <= 0:
                 continue
             fit = predict_fit(biggest, isl.wire_dtype, link.up.rate, down, link.rtt_s, state.config.sync_every,
-                              state.n_fragments, link.step_s, state.config.quant_block)
+                              state.n_fragments, link.step_s, state.config.quant_block, commit_s=commit_s)
             self.last_fit[i] = fit
             if not _changed(link.verdict, fit):
                 continue
@@ -270,10 +302,29 @@ class LinkWatch:
                 self.warnings += 1
                 log.warning("%s", advice(i, fit, link.up.rate, down, isl.wire_dtype))
 
+    def figures(self, island: int) -> LinkFigures:
+        """What the metrics show of one island's link (zeros until measured; an unknown island: zeros)."""
+        if not 0 <= island < len(self.links):
+            return LinkFigures()
+        link = self.links[island]
+        fit = self.last_fit.get(island)
+        return LinkFigures(up_bytes_s=link.up.rate, down_bytes_s=link.island_down or link.down.rate,
+                           rtt_s=link.rtt_s, round_s=fit.round_s if fit else 0.0,
+                           window_s=fit.window_s if fit else 0.0)
+
+    def annotated(self, event: dict[str, Any]) -> dict[str, Any]:
+        """An event-log record, a commit (``pushed``) with ``predicted_s`` added: per pushing island
+        (a JSON key), one round's predicted transfer (push up, commit, value down), seconds, rounded
+        to ms; islands without a prediction yet are left out. Other records are returned as they are."""
+        if "pushed" not in event:
+            return event
+        fits = self.last_fit
+        return {**event, "predicted_s": {str(i): round(fits[i].round_s, 3) for i in event["pushed"] if i in fits}}
+
     def summary(self) -> str:
         """Per island: measured up/down MB/s and step time, for the status line."""
         return " ".join(f"i{i}:{lk.up.rate / 1e6:.3g}/{lk.down.rate / 1e6:.3g}MB/s,{lk.step_s * 1e3:.0f}ms/step"
                         for i, lk in enumerate(self.links))
 
 
-__all__ = ["LinkWatch", "RateMeter", "RoundFit", "advice", "predict_fit", "wire_bytes_per_elem"]
+__all__ = ["LinkFigures", "LinkWatch", "RateMeter", "RoundFit", "advice", "predict_fit", "wire_bytes_per_elem"]

@@ -273,7 +273,7 @@ class SyncerLoop:
         if self._events is None or not events:
             return
         for ev in events:
-            self._events.write(json.dumps({"wall_time": time.time(), **ev}, sort_keys=True) + "\n")
+            self._events.write(json.dumps({"wall_time": time.time(), **self.links.annotated(ev)}, sort_keys=True) + "\n")
         self._events.flush()
 
     def _send_tracked(self, peer: bytes, frames: list[Any], track: bool) -> Any:

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from diloco.syncer.links import LinkFigures
+
 if TYPE_CHECKING:
     from diloco.syncer.dataplane import DataPlane
     from diloco.syncer.core.coordinator import Coordinator
@@ -50,8 +52,8 @@ SNAPSHOT_EVERY_S = 0.5
 class LoopView(Protocol):
     """What a snapshot reads of the control loop (``diloco.syncer.loop.SyncerLoop`` is one), on the
     loop's own thread: its core (``state``), its data plane's backlog and its send/refusal counters. The
-    optional ``listener`` (with a connection ``guard``) and ``bytes_in`` / ``bytes_out`` are read
-    with ``getattr`` and count as absent/0 when missing."""
+    optional ``listener`` (with a connection ``guard``), ``links`` (a ``LinkWatch``) and
+    ``bytes_in`` / ``bytes_out`` are read with ``getattr`` and count as absent/0 when missing."""
 
     @property
     def state(self) -> Coordinator: ...
@@ -76,6 +78,8 @@ class IslandView:
     lag_versions: int
     pushes_merged: int
     pushes_empty: int
+    link: LinkFigures = LinkFigures()
+    """Its link as measured (throughput up and down, RTT, a round's predicted transfer)."""
 
 
 @dataclass(frozen=True)
@@ -219,12 +223,14 @@ class SyncerMetrics:
         g = loop.state.gauges(now)
         c = self._commits
         views = []
+        links = getattr(loop, "links", None)
         for isl in g.islands:
             if not 0 <= isl.island < self.islands:
                 continue
             views.append(IslandView(isl.island, isl.live, isl.heard_age_s,
                                     c.changed - self._merged_at[isl.island], self._merged[isl.island],
-                                    self._empty[isl.island]))
+                                    self._empty[isl.island],
+                                    links.figures(isl.island) if links is not None else LinkFigures()))
         refusals = dict(g.refused_by)
         if loop.wire_refusals:
             refusals["wire"] = loop.wire_refusals

@@ -73,15 +73,26 @@ def _collector(metrics: SyncerMetrics) -> Any:
             live = GaugeMetricFamily(p + "island_live", "1 while the island is bound and alive", labels=["island"])
             pushes = CounterMetricFamily(p + "pushes", "Pushes of committed rounds, by island and outcome",
                                          labels=["island", "outcome"])
+            link = {name: GaugeMetricFamily(p + "island_" + name, doc, labels=["island"]) for name, doc in (
+                ("up_bytes_per_second", "The island's uplink: data bytes/s of its pushes arriving (smoothed)"),
+                ("down_bytes_per_second", "The island's downlink: value bytes/s reaching it (smoothed)"),
+                ("rtt_seconds", "Round-trip time to the island"),
+                ("round_transfer_predicted_seconds", "One round's transfer predicted from the link: push up + value down"),
+                ("round_window_seconds", "Seconds between two rounds at the measured step time"))}
             for isl in s.islands:
                 i = str(isl.island)
+                for name, v in (("up_bytes_per_second", isl.link.up_bytes_s),
+                                ("down_bytes_per_second", isl.link.down_bytes_s), ("rtt_seconds", isl.link.rtt_s),
+                                ("round_transfer_predicted_seconds", isl.link.round_s),
+                                ("round_window_seconds", isl.link.window_s)):
+                    link[name].add_metric([i], v)
                 if isl.heard_age_s is not None:
                     heard.add_metric([i], isl.heard_age_s)
                 lag.add_metric([i], isl.lag_versions)
                 live.add_metric([i], 1.0 if isl.live else 0.0)
                 pushes.add_metric([i, "merged"], isl.pushes_merged)
                 pushes.add_metric([i, "empty"], isl.pushes_empty)
-            yield from (heard, lag, live, pushes)
+            yield from (heard, lag, live, pushes, *link.values())
             refused = CounterMetricFamily(p + "pushes_refused", "Messages refused, by reason code", labels=["reason"])
             for reason, n in sorted(s.refusals.items()):
                 refused.add_metric([reason], n)

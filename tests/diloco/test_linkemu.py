@@ -116,6 +116,27 @@ def test_armed_reset_cuts_the_connection_once() -> None:
     echo.close()
 
 
+def test_an_outage_refuses_connections_until_the_link_comes_back() -> None:
+    echo = _Echo()
+    outage = 1.0
+    with linkemu.LinkEmulator(("127.0.0.1", echo.port), linkemu.LinkSpec()) as emu:
+        emu.arm_reset(linkemu.UP, 1000, outage_s=outage)
+        with pytest.raises(OSError):
+            _roundtrip(emu.port, b"v" * 100_000, timeout=5)
+            raise ConnectionResetError("a short echo")  # the reset may also end the echo short
+        t_reset = time.monotonic()
+        with pytest.raises(OSError):  # during the outage: reset at once, the server never sees it
+            with socket.create_connection(("127.0.0.1", emu.port), timeout=5) as c:
+                c.sendall(b"u")
+                if not c.recv(1):
+                    raise ConnectionResetError("closed")
+        assert emu.stats.refused >= 1 and echo.accepted == 1 and emu.connections() == 1
+        time.sleep(max(0.0, t_reset + outage + 0.1 - time.monotonic()))
+        assert _roundtrip(emu.port, b"t" * 1000) == b"t" * 1000  # the link is back
+        assert emu.connections() == 2 and emu.stats.resets == 1
+    echo.close()
+
+
 def test_reset_all_on_command() -> None:
     echo = _Echo()
     with linkemu.LinkEmulator(("127.0.0.1", echo.port), linkemu.LinkSpec(delay_s=0.01)) as emu:

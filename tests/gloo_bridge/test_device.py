@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+
 import pytest
 import torch
 
@@ -31,3 +35,26 @@ def test_host_buffer() -> None:
     assert not buf.is_pinned()
     with pytest.raises(ValueError, match="nbytes"):
         device.host_buffer(-1, pinned=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_advice_keeps_a_large_buffer_out_of_forked_children_and_gives_it_back() -> None:
+    """What ``_registered_buffer`` does to anchors on a GPU host, checked on plain memory: a forked
+    child has no such pages (it dies touching them), the parent keeps them, and DOFORK undoes it."""
+    buf = torch.ones(device.DONT_FORK_MIN_BYTES + 12345, dtype=torch.uint8)
+    middle = buf.data_ptr() + buf.numel() // 2
+
+    def child_reads() -> int:
+        pid = os.fork()
+        if pid == 0:  # the child reads one byte in the middle of the buffer
+            os._exit(ctypes.c_uint8.from_address(middle).value)
+        return os.waitpid(pid, 0)[1]
+
+    assert not device._fork_advice(buf.data_ptr(), 1 << 20, device._MADV_DONTFORK)  # small: left alone
+    assert device._fork_advice(buf.data_ptr(), buf.numel(), device._MADV_DONTFORK)
+    status = child_reads()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    assert int(buf[buf.numel() // 2]) == 1  # the parent's pages are untouched
+    assert device._fork_advice(buf.data_ptr(), buf.numel(), device._MADV_DOFORK)
+    status = child_reads()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1

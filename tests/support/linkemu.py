@@ -15,7 +15,10 @@ The link model, per direction:
   left the pipe, never before an earlier chunk (TCP keeps order).
 * **loss by reset**: :meth:`LinkEmulator.reset_all` (on command), :meth:`arm_reset` (once the
   ``n``-th byte of one direction counted from now would cross: that chunk is dropped and the
-  connection is reset), or :meth:`reset_at` (at a monotonic time).  A reset closes both TCP
+  connection is reset), or :meth:`reset_at` (at a monotonic time).
+* **outage**: :meth:`arm_reset` with ``outage_s``: after the reset the link stays down that
+  long; every connection attempt meanwhile is reset at once (counted in ``refused``, not in
+  ``connections``), so the client's redials find nothing until the link comes back.  A reset closes both TCP
   sockets with ``SO_LINGER 0`` (an RST): bytes in flight are lost, as on a real link drop.
 
 The emulator counts what it carried (:attr:`LinkEmulator.stats`): connections accepted,
@@ -85,6 +88,8 @@ class LinkStats:
     """Bytes delivered to the far side, per direction."""
     resets: int = 0
     """Connections reset by the emulator."""
+    refused: int = 0
+    """Connection attempts reset at once because the link was down (an outage)."""
 
 
 class _Pipe:
@@ -108,6 +113,7 @@ class _Pipe:
 class _ResetRule:
     direction: str
     after_bytes: int
+    outage_s: float = 0.0
     seen: int = 0
     fired: bool = False
 
@@ -233,6 +239,8 @@ class LinkEmulator:
         self._lock = threading.Lock()
         self._conns: list[_Connection] = []
         self._rules: list[_ResetRule] = []
+        self._down_until = 0.0
+        """Monotonic time an outage ends (connection attempts before it are reset)."""
         self._stop = threading.Event()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -296,6 +304,13 @@ class LinkEmulator:
                 client, _addr = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                down = time.monotonic() < self._down_until
+                self.stats.refused += down
+            if down:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.target, timeout=5.0)
             except OSError as exc:
@@ -327,12 +342,13 @@ class LinkEmulator:
         with self._lock:
             return self.stats.connections
 
-    def arm_reset(self, direction: str, after_bytes: int) -> None:
-        """Reset the connection carrying byte ``after_bytes`` of ``direction`` counted from now (once)."""
-        if direction not in (UP, DOWN) or after_bytes < 0:
-            raise ValueError(f"arm_reset: direction {direction!r} / after_bytes {after_bytes}")
+    def arm_reset(self, direction: str, after_bytes: int, outage_s: float = 0.0) -> None:
+        """Reset the connection carrying byte ``after_bytes`` of ``direction`` counted from now (once);
+        then the link stays down for ``outage_s`` seconds (connection attempts are reset at once)."""
+        if direction not in (UP, DOWN) or after_bytes < 0 or not outage_s >= 0:
+            raise ValueError(f"arm_reset: direction {direction!r} / after_bytes {after_bytes} / outage_s {outage_s}")
         with self._lock:
-            self._rules.append(_ResetRule(direction, after_bytes))
+            self._rules.append(_ResetRule(direction, after_bytes, outage_s))
 
     def reset_at(self, when: float) -> None:
         """Reset every connection at monotonic time ``when``."""
@@ -359,6 +375,7 @@ class LinkEmulator:
                     continue
                 if rule.seen + n > rule.after_bytes:
                     rule.fired = fire = True
+                    self._down_until = max(self._down_until, time.monotonic() + rule.outage_s)
                 else:
                     rule.seen += n
             if fire:

@@ -12,6 +12,7 @@ from diloco import wire
 from diloco.config import IslandConfig
 from diloco.island.client_protocol import ClientProtocol, SyncError
 from diloco.island.effects import BACKOFF_MAX_S, BACKOFF_START_S
+from diloco.island.liveness import CutWatch
 from diloco.island.outbox import Outgoing
 
 pytestmark = pytest.mark.timeout(30)
@@ -207,6 +208,23 @@ def test_timers_heartbeat_silence_backoff_and_rejoin() -> None:
     p.handle(s.frames(wire.Heartbeat(syncer_id=7)), now=20.5)  # heard: the backoff starts over
     assert p.socket_error(OSError("reset")).redial_s == BACKOFF_START_S
     assert p.tick(21.0).redial_s is None
+
+
+def test_a_stalled_init_elsewhere_never_redials_a_healthy_connection() -> None:
+    # Island 1 (2 fragments of 3 fp32 elements: a complete INIT is 24 bytes) waits for its cut for
+    # a minute while island 0's INIT stands at 12 bytes; the syncer answers every heartbeat.
+    p, s = _joined()
+    watch = CutWatch(p.liveness, island=1, timeout_s=2.0, init_total_bytes=24, now=0.1)
+    assert not watch.rejoin_now(0, 0.1)
+    for k in range(1, 61):
+        now = 0.1 + k
+        p.handle(s.frames(wire.Heartbeat(syncer_id=7)), now=now)
+        p.handle(s.frames(wire.Progress(init_bytes=12, in_bytes=12, syncer_id=7)), now=now)
+        assert p.tick(now + 0.5).redial_s is None
+        assert not watch.rejoin_now(0, now + 0.5)
+    assert watch.on_init_s == pytest.approx(59.5) and p.stats.refused == 0  # since the first notice, at 1.1
+    # The syncer falls silent: now our connection is gone, and that redials.
+    assert p.tick(60.1 + 2.5).redial_s is not None and watch.rejoin_now(0, 60.1 + 2.5)
 
 
 def test_sealed_messages_carry_the_session_and_increasing_sequence_numbers() -> None:

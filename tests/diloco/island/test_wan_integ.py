@@ -7,6 +7,8 @@ keep moving.  Checked: no island rejoins (one TCP connection per island through 
 the islands end bitwise identical with the syncer's final checkpoint, and the syncer names the
 link as too slow for H together with the fix.  Then connection resets in the middle of a push
 and of a cut: the island recovers, nothing is lost or merged twice, and the end state is equal.
+And a stall of island 0's INIT (its link down for several silence rules): island 1, whose cut
+waits for that INIT over a healthy link, does not redial.
 """
 
 from __future__ import annotations
@@ -127,3 +129,22 @@ def test_a_reset_mid_init_resumes_it_and_sends_no_fragment_twice(tmp_path: Path)
     handed = [e["fragment"] for e in _start_record(res, 0)["events"] if e["type"] == "init"]
     assert handed.count(0) == 1 and 1 <= handed.count(1) <= 2  # fragment 0 once; 1 again only if lost whole
     assert "island 1: fragments 0-1 match the syncer's values, no cut needed" in res.syncer_log
+
+
+def test_a_stalled_init_of_island_0_does_not_make_island_1_redial(tmp_path: Path) -> None:
+    # Island 0's link goes down 3 MB into its INIT (4 MiB, 2 fragments) and stays down for 3 times
+    # the islands' 2 s silence rule: island 0 redials (its connection is gone) and resumes INIT.
+    # Island 1 waits for its cut of fragment 1, which needs that INIT; its own link is fine (the
+    # syncer answers its heartbeats and its notices say INIT stands still), so it must not redial.
+    outage_s = 6.0
+    res = wan_harness.run(_settings(faults={0: lambda emu: emu.arm_reset(linkemu.UP, 3_000_000, outage_s)}),
+                          tmp_path)
+    _check_identical(res)
+    assert res.links[0].resets == 1 and res.links[0].refused >= 1 and res.islands[0]["redials"] >= 1
+    assert res.islands[1]["redials"] == 0, res.island_logs[1][-3000:]
+    assert res.links[1].connections == 1
+    assert all(why not in res.island_logs[1] for why in ("rejoining", "no word from the syncer", "socket error"))
+    assert "island 1: initial cut waits on island 0's INIT" in res.island_logs[1]
+    assert res.islands[1]["start_s"] > outage_s  # it really waited out the stall
+    for f in range(2):
+        assert res.syncer_log.count(f"fragment {f} initialised by island 0") == 1

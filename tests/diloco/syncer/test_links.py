@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from diloco import wire
 from diloco.island.liveness import Liveness
-from diloco.syncer.links import RoundFit, _changed, advice, predict_fit, wire_bytes_per_elem
+from diloco.syncer.links import LinkFigures, LinkWatch, RoundFit, _changed, advice, predict_fit, wire_bytes_per_elem
 from diloco.wire.rates import RateMeter
 
 pytestmark = pytest.mark.timeout(30)
@@ -38,6 +40,18 @@ def test_a_large_enough_h_fits_and_the_needed_h_does() -> None:
     assert fast.fits and fast.need_sync_every == 20
 
 
+def test_the_commit_counts_between_the_push_and_the_broadcast() -> None:
+    # The 2.7B device run: 2.6 GB fragments, ~1 GB/s up, ~1.9 GB/s down, 1.15 s steps, H 16, P 4.
+    numel = 2590 * 2**20 // 4
+    bare = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15)
+    fit = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15, commit_s=0.45)
+    assert bare.fits and bare.round_s == pytest.approx(bare.up_s + bare.down_s)
+    assert fit.round_s == pytest.approx(bare.round_s + 0.45) and fit.commit_s == 0.45
+    slow = predict_fit(numel, "float32", 1.04e9, 1.9e9, 0.03, 16, 4, 1.15, commit_s=1.97)  # its worst commit
+    assert not slow.fits and slow.need_sync_every == math.ceil(slow.round_s * 4 / 1.15)
+    assert "plus 2 s to merge" in advice(0, slow, 1.04e9, 1.9e9, "float32")
+
+
 def test_rtt_and_dtypes_count() -> None:
     base = predict_fit(FRAGMENT, "float32", 50e6, 50e6, 0.0, 20, 2, 0.5)
     rtt = predict_fit(FRAGMENT, "float32", 50e6, 50e6, 0.05, 20, 2, 0.5)
@@ -59,6 +73,20 @@ def test_a_warning_is_repeated_only_when_the_verdict_changes() -> None:
     assert _changed((False, 100), fit(False, 140))
     assert _changed((False, 100), fit(True, 20))
     assert not _changed((True, 20), fit(True, 20))
+
+
+def test_link_figures_are_the_measured_rates_and_the_last_prediction() -> None:
+    watch = LinkWatch(n_islands=2)
+    assert watch.figures(0) == LinkFigures() and watch.figures(7) == LinkFigures()
+    for k in range(11):
+        watch.on_receive(1, 1_000_000, k * 0.1)  # 10 MB/s up from island 1
+    watch.on_receive(1, 0, 1.2, wire.Heartbeat(island=1, down_bytes_s=4_000_000, rtt_us=50_000))
+    fit = predict_fit(FRAGMENT, "q4", 10e6, 4e6, 0.05, sync_every=20, n_fragments=2, step_s=0.5)
+    watch.last_fit[1] = fit
+    got = watch.figures(1)
+    assert got.up_bytes_s == pytest.approx(10e6) and got.down_bytes_s == 4e6 and got.rtt_s == pytest.approx(0.05)
+    assert got.round_s == pytest.approx(fit.up_s + fit.down_s) and got.window_s == fit.window_s == 5.0
+    assert watch.figures(0) == LinkFigures()  # island 0 moved nothing
 
 
 def test_rate_meter_times_bursts_not_idle_time() -> None:

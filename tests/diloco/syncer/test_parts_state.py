@@ -352,6 +352,16 @@ def test_zero_weight_push_carries_no_tensors() -> None:
     assert d.st.islands[1].ledger.merges == 0 and d.st.islands[0].ledger.merges == 1
 
 
+def test_a_round_nobody_pushed_weight_to_took_no_commit_time() -> None:
+    d = started()
+    open_round(d, 1)
+    for i in range(3):
+        d.send_all(peer(i), pushes(i, 1, steps=0, tokens=0), now=5.0)
+    ev = d.st.events[-1]
+    assert ev["round"] == 1 and not ev["changed"] and ev["weights"] == {"0": 0, "1": 0, "2": 0}
+    assert ev["commit_s"] == 0.0  # not the clock's age (the commit never started)
+
+
 # ---------------------------------------------------------------- (e) the HELLO size check
 
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(60)
         (["--islands", "2", "--sync-every", "0"], "--sync-every"),
         (["--islands", "2", "--outer-lr", "nan"], "--outer-lr"),
         (["--islands", "2", "--grace-ms", "-1"], "--grace-ms"),
+        (["--islands", "2", "--insecure", "--io-threads", "-1"], "--io-threads"),
         (["--islands", "2", "--resume"], "--resume"),
         (["--islands", "2", "--key-file", "/nonexistent/key"], "--key-file"),
         (["--islands", "2"], "--insecure"),  # neither Curve nor HMAC: refused, naming the flags

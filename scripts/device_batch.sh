@@ -1,0 +1,27 @@
+#!/bin/bash
+# Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
+# device returns only a few files) and every report printed to stdout.
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=${WHEELS:-$REPO/.whl}
+DEST=${OUT:-/tmp/yeto_batch}
+WORKDIR=/tmp/yeto_batch_results
+mkdir -p "$WORKDIR" "$DEST"
+export STEPS=${STEPS:-48} SYNC_EVERY=${SYNC_EVERY:-16}
+installed=0
+install() { [ $installed = 1 ] && return; python3 -m pip install -q --no-deps --no-index $(find "$WHEELS" -type f -name '*.whl') >"$WORKDIR/pip.log" 2>&1; installed=1; }
+for job in "$@"; do
+  echo "=== $job $(date +%T)"
+  case "$job" in
+    probe) install; PYTHONPATH=$REPO python3 "$REPO/scripts/probe_fork.py" --gib 8 2>&1 | tail -3 ;;
+    wan) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/wan" 2>&1 | grep '^{' ;;
+    scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
+    *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
+    *) install; OUT=$WORKDIR SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "$job" "$WHEELS" >/dev/null 2>&1
+       grep -v "^\s*$" "$WORKDIR/$job/report.txt" | grep -v "loss lines\|'loss'" | tail -45 ;;
+  esac
+done
+tar -czf "$DEST/results.tgz" -C "$WORKDIR" --exclude='*.pt' --exclude='ckpt' . 2>/dev/null
+echo "=== done $(date +%T)"
