@@ -54,6 +54,15 @@ __all__ = ["SyncClient", "SyncError"]
 
 _POLL_MS = 50
 
+RECEIVE_HWM = 1
+"""Whole messages zmq may queue for us beyond the one its I/O thread is reading and the one we
+are copying: about three parts of received values (``--part-mib`` each) at most. zmq mallocs
+every received frame in its I/O thread's glibc arena, which keeps its high-water mark under the
+island's trim threshold (``diloco.hostmem``): at the old 8 the final cut held 143 MiB there
+(4.5 parts of 32 MiB), at 1 at most 64 MiB (docs/PERFORMANCE.md). A deeper queue pays off only
+when the link outruns our copy of a part (digest + copy, several GB/s); the syncer's heartbeats
+and pulls then also wait behind fewer parts."""
+
 
 class SyncClient:
     """One island's DEALER connection to the syncer, driven by its own thread.
@@ -105,6 +114,14 @@ class SyncClient:
     @property
     def ring(self) -> PartRing:
         return self.protocol.ring
+
+    def part_budget(self) -> dict[str, int]:
+        """Most bytes of parts this connection holds at once, by kind (the start-up log): the push
+        ring (``WINDOW`` fp32 parts, allocated at the first push) and received parts (zmq's queue
+        of ``RECEIVE_HWM``, the part its I/O thread reads and the one we copy, in zmq's arena).
+        Sized by the syncer's ``--part-mib`` (WELCOME), whatever the model."""
+        part = 4 * self.protocol.part_elems
+        return {"push_ring": WINDOW * part, "receive_parts_max": (RECEIVE_HWM + 2) * part}
 
     @property
     def generation(self) -> int:
@@ -244,7 +261,7 @@ class SyncClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())
         sock.setsockopt(zmq.SNDHWM, 64)
-        sock.setsockopt(zmq.RCVHWM, 8)  # parts of tens of MiB: bound what zmq holds for us
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         # Like the syncer, refuse frames far above a part before zmq allocates them.
         sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_header_bytes + wire.Limits().max_chunk_bytes + (1 << 20))
         if self._curve is not None:

@@ -201,6 +201,11 @@ class ClientProtocol(Inbox, Outbox):
         return self._welcome
 
     @property
+    def part_elems(self) -> int:
+        """Elements per part of every stream (the syncer's, from WELCOME; the default before)."""
+        return self._part_elems
+
+    @property
     def last_refusal(self) -> str | None:
         """The syncer's last refusal of our HELLO, while no WELCOME came."""
         return self._last_refusal

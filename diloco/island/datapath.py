@@ -124,7 +124,6 @@ class DataPath:
         self._sent: dict[int, threading.Event] = {}
         self._quiet = QuietAnchors(len(xfer._routes))
         self._own: set[int] = set()  # fragments whose anchors hold this rank's own masters (anchor_own)
-        """Which fragments' anchors a received value may take now (sync rank; see receive_views)."""
         self._staged_arrival: dict[int, int] = {}
         self.bytes_sent = 0
         """Data-group bytes this rank sent (background thread)."""
@@ -187,7 +186,7 @@ class DataPath:
         self._x.free_anchors()
 
     def receive_views(self, f: int, dtype: str, busy: bool = False) -> tuple[list[torch.Tensor] | None, int]:
-        """Client I/O thread: where a received fp32 value of ``f`` may land directly, one flat
+        """Client I/O thread: where a received fp32 or bf16 value of ``f`` may land directly, one flat
         view per tensor in plan order: this (sync) rank's anchors, when it holds every tensor of
         ``f`` whole (preallocated); None otherwise (the client assembles into a pooled buffer).
 
@@ -198,7 +197,8 @@ class DataPath:
         values take the pooled path. Pushes of ``f`` are read by this same thread (DeltaSource),
         and a commit of ``f`` is sent only after our push was received."""
         whole = self._whole[f]
-        ready = whole is not None and dtype == "float32" and len(self._x._anchors) == len(self._x._pieces)
+        # bf16 (broadcasts of bf16 and low-bit islands) is upcast per chunk as it lands (exact).
+        ready = whole is not None and dtype in ("float32", "bfloat16") and len(self._x._anchors) == len(self._x._pieces)
         take, arrival = self._quiet.begin(f, ready and not busy)
         if not take or whole is None:
             return None, arrival

@@ -25,6 +25,7 @@ from diloco.config import IslandConfig
 from diloco.island.effects import BACKOFF_START_S, Effects
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals, session
+from diloco.wire.schema import ITEMSIZE
 
 if TYPE_CHECKING:
     from diloco.island.liveness import Liveness
@@ -361,8 +362,9 @@ class Inbox:
             self._claims[h.fragment] = ""  # its value is being replaced: a later HELLO claims nothing of it
         if h.cut and self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut is not derived from our pushes: drop the residual
+        nbytes = self._layouts[h.fragment].numel * ITEMSIZE[wire.bcast_dtype(self._cfg.wire_dtype)]
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, h.cut, tensors, arrival,
-                                                 h.commit_us, arrived=now)
+                                                 h.commit_us, arrived=now, wire_nbytes=nbytes)
 
     def _on_held(self, h: wire.Held) -> None:
         """A HELD notice: our claimed value of the fragment is the syncer's at ``version``; parked

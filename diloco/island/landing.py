@@ -160,8 +160,8 @@ class Landings:
             f = value.fragment
             pending = self.planner.take_pending(f) if self.is_sync else None
             values, arrival = (pending.tensors, pending.arrival) if pending is not None else (None, 0)
+            data_bytes = pending.data_bytes() if pending is not None else 0
             del pending
-            data_bytes = sum(t.numel() * t.element_size() for _, t in values) if values is not None else 0
             mode = self.planner.staging_mode(value, self.data.holds_snapshot(f))
             seq = self._stage(ROUND, value, values, arrival, mode)
             del values
@@ -185,7 +185,7 @@ class Landings:
             if self.is_sync:
                 pending = self.planner.take_pending(value.fragment)
                 values, arrival = pending.tensors, pending.arrival
-                data_bytes = sum(t.numel() * t.element_size() for _, t in values)  # as it came, wire dtype
+                data_bytes = pending.data_bytes()  # as it came, wire dtype
                 del pending
             mode = "cut" if value.cut else "blend"
             self._stage(INITIAL_CUT, value, values, arrival, mode)

@@ -133,6 +133,7 @@ class StartFinish:
             self.transfer.drop_pool()  # INIT's buffers: nothing exports through the pool any more
         if self.client is not None:
             budget["receive_pool_max"] = self.client.pool.max_idle_bytes
+            budget.update(self.client.part_budget())
         log.info("island %d rank %d sync buffers (%.2fs): %s", self.cfg.island_id, self.rank,
                  alloc_s, ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in budget.items()))
         self.sync_buffers = budget

@@ -38,6 +38,15 @@ class PendingBcast:
     """A HELD notice (``tensors`` empty): the island's own value is this cut, bit for bit."""
     arrived: float = 0.0
     """Monotonic time (the connection's clock) its last part arrived; 0: unknown."""
+    wire_nbytes: int | None = None
+    """Payload bytes as received (a bf16 value may have landed upcast in fp32 anchors); None:
+    the tensors' own bytes."""
+
+    def data_bytes(self) -> int:
+        """Payload bytes of this value as it came over the wire (the step log's ``data_bytes``)."""
+        if self.wire_nbytes is not None:
+            return self.wire_nbytes
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
 
 class Value(msgspec.Struct, frozen=True):

@@ -297,14 +297,17 @@ class FragmentTransfer:
         return anchor
 
     def allocate_anchors(self) -> None:
-        """Allocate every local piece's anchor now (start-up), zeroed by several threads
-        (:func:`diloco.hostmem.zero_in_parallel`): resident before the first value lands."""
-        fresh = []
-        for piece, p in enumerate(self._pieces):
-            if piece not in self._anchors:
-                fresh.append(torch.empty(p.end - p.start, dtype=torch.float32))
-                self._anchors[piece] = fresh[-1]
-        zero_in_parallel(fresh)
+        """Allocate every local piece's anchor now (start-up) as views of **one** flat block,
+        zeroed by several threads (:func:`diloco.hostmem.zero_in_parallel`): resident before the
+        first value lands. One block is mapped on its own (far above glibc's mmap threshold), so
+        the anchors never interleave with the training loop's heap blocks, and it is unmapped
+        whole once the last view dies (:meth:`free_anchors`)."""
+        missing = [piece for piece in range(len(self._pieces)) if piece not in self._anchors]
+        sizes = [self._pieces[piece].end - self._pieces[piece].start for piece in missing]
+        block = torch.empty(sum(sizes), dtype=torch.float32)
+        zero_in_parallel([block])
+        for piece, view in zip(missing, block.split(sizes)):
+            self._anchors[piece] = view
 
     def pool_max_idle(self) -> int:
         """Most bytes the export pool keeps idle (one fragment)."""

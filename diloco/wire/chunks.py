@@ -43,13 +43,20 @@ def digest_seed(key: bytes) -> int:
 def check_and_copy(job: tuple[memoryview, int, np.ndarray, int]) -> bool:
     """Digest one received chunk and, if it matches, copy it into its tensor (the one copy).
 
-    Hash first, then copy: the chunk is still in cache for the copy, and a
-    forged chunk is never written anywhere.  Both calls release the GIL.
+    ``dest``: the chunk's bytes in its tensor (a uint8 array), or, when the chunk holds bf16 and
+    its tensor is fp32, the chunk's elements as the uint32 bits of that fp32 tensor: each bf16 is
+    upcast as it is copied (its bits shifted up by 16: exact, as torch's upcast). Hash first, then
+    copy: the chunk is still in cache for the copy, and a forged chunk is never written anywhere.
+    Every call releases the GIL.
     """
     chunk, digest, dest, seed = job
     if xxhash.xxh3_64_intdigest(chunk, seed=seed) != digest:
         return False
-    np.copyto(dest, np.frombuffer(chunk, dtype=np.uint8))
+    if dest.dtype == np.uint32:
+        np.copyto(dest, np.frombuffer(chunk, dtype=np.uint16))
+        np.left_shift(dest, 16, out=dest)
+    else:
+        np.copyto(dest, np.frombuffer(chunk, dtype=np.uint8))
     return True
 
 

@@ -197,15 +197,20 @@ class Opened:
 
     def copy_into(self, dests: Sequence[torch.Tensor], parallel: bool = True) -> None:
         """Verify and copy every tensor into ``dests`` (contiguous CPU tensors of the declared
-        dtype and element count, one per tensor): the one copy decoding makes."""
+        element count, one per tensor): the one copy decoding makes. A destination has the
+        declared dtype, or float32 for a bfloat16 tensor: each chunk is then upcast as it is
+        copied (exact), so a bf16 value lands in fp32 memory without a bf16 copy of it."""
         if len(dests) != len(self.metas):
             raise ValueError(f"copy_into: {len(dests)} destinations for {len(self.metas)} tensors")
-        flat = []
+        flat: list[np.ndarray] = []
         for d, meta, size in zip(dests, self.metas, self._sizes):
-            if d.dtype != WIRE_DTYPES[meta.dtype] or d.numel() * d.element_size() != size or not d.is_contiguous():
+            upcast = meta.dtype == "bfloat16" and d.dtype == torch.float32
+            if (d.dtype != WIRE_DTYPES[meta.dtype] and not upcast) or not d.is_contiguous() \
+                    or d.numel() * ITEMSIZE[meta.dtype] != size or d.device.type != "cpu":
                 raise ValueError(f"copy_into: destination for {meta.name!r} does not match its declaration")
-            flat.append(d.reshape(-1).view(torch.uint8).numpy())
-        jobs = [(chunk, digest, flat[i][offset : offset + chunk.nbytes], self.seed)
+            data = d.reshape(-1).view(torch.uint8).numpy()
+            flat.append(data.view(np.uint32) if upcast else data)  # upcast: the fp32 bits, one per element
+        jobs = [(chunk, digest, _dest_of(flat[i], offset, chunk.nbytes), self.seed)
                 for i, _c, offset, chunk, digest in self._jobs()]
         # Every job runs to completion before we report the first bad chunk, so no
         # worker is still writing into a tensor the caller might see.
@@ -298,3 +303,11 @@ def decode(
 def payload_bytes(msg: Message) -> int:
     """Total tensor bytes of a decoded message (for byte counters and logs)."""
     return sum(t.numel() * t.element_size() for _, t in msg.tensors)
+
+
+def _dest_of(flat: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """Where the chunk at byte ``offset`` of a tensor lands: that byte range of its destination,
+    or (a uint32 view: the fp32 bits of a bf16 tensor's destination) that element range."""
+    if flat.dtype == np.uint32:
+        return flat[offset // 2 : (offset + nbytes) // 2]
+    return flat[offset : offset + nbytes]

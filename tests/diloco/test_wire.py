@@ -380,3 +380,17 @@ def test_send_tracked_is_done_only_once_every_frame_is_released() -> None:
         pull.close()
         push.close()
         ctx.term()
+
+
+def test_copy_into_upcasts_bf16_into_fp32_exactly() -> None:
+    """A bf16 tensor copied into an fp32 destination (a bf16 value landing in the anchors) holds
+    bit for bit what torch's upcast gives, specials included, across chunk boundaries."""
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(3)) * 1e3
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40])
+    frames = wire.encode(wire.Pull(0, 1, 0), [("x", x)], wire_dtype="bfloat16", chunk_bytes=1000)
+    opened = wire.open_message(frames)
+    dest = torch.full((10_001,), 7.0)
+    opened.copy_into([dest])
+    assert torch.equal(dest.view(torch.int32), x.to(torch.bfloat16).to(torch.float32).view(torch.int32))
+    with pytest.raises(ValueError):
+        opened.copy_into([torch.empty(10_001, dtype=torch.float64)])
