@@ -100,6 +100,18 @@ def test_rate_meter_times_bursts_not_idle_time() -> None:
     assert m.total == 22_000
 
 
+def test_a_burst_shorter_than_a_window_is_measured_when_the_next_begins() -> None:
+    m = RateMeter(window_s=0.5, gap_s=1.0, alpha=1.0)
+    for k in range(3):
+        m.add(8_000_000, k * 0.16)  # a small push: 3 parts over 0.32 s (the first starts the clock)
+    assert m.rate == 0  # still open
+    m.add(8_000_000, 10.0)  # the next push, after a gap: the first burst is a sample
+    assert m.rate == pytest.approx(16_000_000 / 0.32)
+    m.add(1_000_000, 10.01)  # back-to-back parts then a gap: too short a span to be the link's
+    m.add(1_000_000, 30.0)
+    assert m.rate == pytest.approx(16_000_000 / 0.32)
+
+
 def test_progress_clocks_move_only_when_counters_change() -> None:
     lv = Liveness()
     t0 = lv.cut_progress_at
