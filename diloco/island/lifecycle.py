@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -41,6 +42,9 @@ Tensors = list[tuple[str, torch.Tensor]]
 
 _INIT_INFLIGHT = 2
 """Fragments the sync rank may hold during INIT: one being sent, one being gathered."""
+
+_CLAIM_THREADS = 4
+"""Threads hashing the fragments an island claims at start-up (one fragment each at a time)."""
 
 
 class StartFinish:
@@ -143,15 +147,22 @@ class StartFinish:
         """Collective: per fragment, ``tensor_digest`` of the fp32 value this island starts from
         (the sync rank's list; None elsewhere), what its HELLO claims. One fragment at a time: the
         sync rank's own masters read in place where it holds a fragment whole on the host, else
-        that one fragment gathered (the same gather as INIT), so no copy of the model is made."""
+        that one fragment gathered (the same gather as INIT), so no copy of the model is made.
+        Values read in place are hashed by a few threads while the next fragment is copied down
+        (xxh3 releases the GIL); a gathered fragment is hashed before the next is gathered."""
         t0 = time.monotonic()
-        digests: list[str] = []
-        for f in range(self.plan.n_fragments):
-            self.data.anchor_own(f, mark=False)  # one copy down; the claim, INIT and a HELD read it
-            values = self._starting_values(f)
-            if values is not None:
-                digests.append(tensor_digest(values))
-            del values
+        hashes: list[Future[str]] = []
+        with ThreadPoolExecutor(max_workers=_CLAIM_THREADS, thread_name_prefix="yeto-claim") as pool:
+            for f in range(self.plan.n_fragments):
+                self.data.anchor_own(f, mark=False)  # one copy down; the claim, INIT and a HELD read it
+                in_place = self.data.own_views(f) or self.data.master_views(f)
+                values = in_place if in_place is not None else self.transfer.export_fragment(f, delta=False)
+                if values is not None:
+                    hashes.append(pool.submit(tensor_digest, values))
+                    if in_place is None:
+                        hashes[-1].result()  # a gathered copy lives only while it is hashed
+                del values, in_place
+            digests = [h.result() for h in hashes]
         if not self.is_sync:
             return None
         log.info("island %d: digests of the %d fragments we start from, to claim in HELLO (%.2fs)",
