@@ -49,8 +49,12 @@ def test_island_kill_loop_and_a_syncer_kill(tmp_path) -> None:
     try:
         run.kill_loop(5, random.Random(13))
         deadline = time.monotonic() + 60
-        while len(run.commits()) < 2 and time.monotonic() < deadline:
+        # Two commits, and a checkpoint on disk (written in the background): the resumed syncer
+        # needs one, and a kill during the first write leaves none (a loaded machine did that).
+        while (len(run.commits()) < 2 or not (tmp_path / "ckpt" / "latest").exists()) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert (tmp_path / "ckpt" / "latest").exists(), run.syncer_logs()[-3000:]
         run.kill_syncer()
         run.start_syncer(resume=True)
     except BaseException:
