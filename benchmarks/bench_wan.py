@@ -104,7 +104,7 @@ def _case(name: str, rate: float, delay: float, dtype: str, args: argparse.Names
         total = sum(r.step_s for r in recs) + sync
         share.append(sync / total if total else float("nan"))
     commits = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()] if ok else []
-    commits = [c for c in commits if "pushed" in c]
+    commits = [c for c in commits if "pushed" in c and "dropped" not in c]
     scheduled = args.steps * args.fragments // args.sync_every
     installed = sum(1 for c in commits if c.get("changed") and not c.get("flush"))
     # INIT up only: both islands start from one seed and claim it, so neither downloads its cut (HELD).
@@ -152,6 +152,9 @@ def main() -> int:
         args.model_mib, args.width, args.steps, args.sync_every, args.step_s, args.part_mib = 2, 256, 16, 8, 0.2, 0.5
         cases = [("smoke_4MBps_10ms_fp32", 4e6, 0.010, "float32")]
     if args.only:
+        unknown = set(args.only.split(",")) - {c[0] for c in cases}
+        if unknown:
+            p.error(f"--only: unknown cases {sorted(unknown)}; known: {[c[0] for c in cases]}")
         cases = [c for c in cases if c[0] in args.only.split(",")]
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_wan_"))
     rows = []

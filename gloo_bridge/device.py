@@ -174,8 +174,8 @@ def _registered_buffer(nbytes: int) -> torch.Tensor | None:
 
     A large one is also marked ``MADV_DONTFORK``: the kernel copies page-locked pages into a
     forked child at ``fork()`` (they cannot be shared copy-on-write), so a training job that forks
-    (checkpoint writers, data-loader workers) would otherwise copy every anchor. No child needs
-    them: the data path runs in the process that allocated them."""
+    (checkpoint writers, data-loader workers) would otherwise copy the island's snapshot slot and
+    staging buffers. No child needs them: the data path runs in the process that allocated them."""
     cudart = torch.cuda.cudart()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)

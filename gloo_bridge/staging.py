@@ -75,19 +75,25 @@ class HostBufferCache:
         return dev.host_buffer(nbytes, self.pinned)
 
     def release(self, raw: torch.Tensor) -> None:
-        """Give ``raw`` back to the pool (dropped when the pool is full)."""
+        """Give ``raw`` back to the pool; when the pool is full it is freed (a registered buffer
+        unregistered: ``device.free_host_buffer``)."""
         nbytes = raw.numel()
         with self._lock:
-            if self._cached_bytes + nbytes > self.max_cached_bytes:
-                return
-            self._free.setdefault(nbytes, []).append(raw)
-            self._cached_bytes += nbytes
+            keep = self._cached_bytes + nbytes <= self.max_cached_bytes
+            if keep:
+                self._free.setdefault(nbytes, []).append(raw)
+                self._cached_bytes += nbytes
+        if not keep:
+            dev.free_host_buffer(raw)
 
     def clear(self) -> None:
-        """Free every cached buffer."""
+        """Free every cached buffer (registered ones unregistered)."""
         with self._lock:
+            dropped = [b for bufs in self._free.values() for b in bufs]
             self._free.clear()
             self._cached_bytes = 0
+        for raw in dropped:
+            dev.free_host_buffer(raw)
 
 
 class StagedCall:

@@ -56,12 +56,11 @@ _POLL_MS = 50
 
 RECEIVE_HWM = 1
 """Whole messages zmq may queue for us beyond the one its I/O thread is reading and the one we
-are copying: about three parts of received values (``--part-mib`` each) at most. zmq mallocs
-every received frame in its I/O thread's glibc arena, which keeps its high-water mark under the
-island's trim threshold (``diloco.hostmem``): at the old 8 the final cut held 143 MiB there
-(4.5 parts of 32 MiB), at 1 at most 64 MiB (docs/PERFORMANCE.md). A deeper queue pays off only
-when the link outruns our copy of a part (digest + copy, several GB/s); the syncer's heartbeats
-and pulls then also wait behind fewer parts."""
+are copying: at most three received parts (``--part-mib`` each) exist at once. zmq mallocs every
+received frame in its I/O thread's glibc arena, which keeps its high-water mark under the
+island's trim threshold (``diloco.hostmem``), so this bounds that arena (measurements:
+docs/PERFORMANCE.md). A deeper queue pays off only when the link outruns our copy of a part
+(digest + copy, several GB/s); the syncer's heartbeats and pulls also wait behind fewer parts."""
 
 
 class SyncClient:

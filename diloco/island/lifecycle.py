@@ -160,9 +160,9 @@ class StartFinish:
                 if values is not None:
                     hashes.append(pool.submit(tensor_digest, values))
                     if in_place is None:
-                        hashes[-1].result()  # a gathered copy lives only while it is hashed
+                        hashes[-1].result(self.cfg.transfer_timeout_s)  # a gathered copy lives only while hashed
                 del values, in_place
-            digests = [h.result() for h in hashes]
+            digests = [h.result(self.cfg.transfer_timeout_s) for h in hashes]
         if not self.is_sync:
             return None
         log.info("island %d: digests of the %d fragments we start from, to claim in HELLO (%.2fs)",
@@ -291,6 +291,8 @@ class StartFinish:
                 break
         self._drain("shutdown")
         self.bg.close()
+        if self.client is not None:
+            self.client.close()  # first: its I/O thread lands values in the anchors freed next
         # The run is over: give the sync buffers back (anchors, slot, pools) to the kernel.
         self.data.free()
         if self.client is not None:
@@ -298,8 +300,6 @@ class StartFinish:
         trim_heap()
         if self._steplog is not None:
             self._steplog.close()
-        if self.client is not None:
-            self.client.close()
         return list(self.versions)
 
     def _drain(self, why: str) -> None:

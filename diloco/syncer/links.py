@@ -313,10 +313,10 @@ class LinkWatch:
                            window_s=fit.window_s if fit else 0.0)
 
     def annotated(self, event: dict[str, Any]) -> dict[str, Any]:
-        """An event-log record, a commit (``pushed``) with ``predicted_s`` added: per pushing island
+        """An event-log record, a commit (``pushed``, not ``dropped``) with ``predicted_s`` added: per pushing island
         (a JSON key), one round's predicted transfer (push up, commit, value down), seconds, rounded
         to ms; islands without a prediction yet are left out. Other records are returned as they are."""
-        if "pushed" not in event:
+        if "pushed" not in event or "dropped" in event:
             return event
         fits = self.last_fit
         return {**event, "predicted_s": {str(i): round(fits[i].round_s, 3) for i in event["pushed"] if i in fits}}

@@ -205,6 +205,9 @@ class Opened:
         flat: list[np.ndarray] = []
         for d, meta, size in zip(dests, self.metas, self._sizes):
             upcast = meta.dtype == "bfloat16" and d.dtype == torch.float32
+            if upcast and self.chunk_bytes % 2:
+                raise ValueError(f"copy_into: {meta.name!r} is bf16 in chunks of {self.chunk_bytes} bytes (odd): "
+                                 "it cannot be upcast chunk by chunk")
             if (d.dtype != WIRE_DTYPES[meta.dtype] and not upcast) or not d.is_contiguous() \
                     or d.numel() * ITEMSIZE[meta.dtype] != size or d.device.type != "cpu":
                 raise ValueError(f"copy_into: destination for {meta.name!r} does not match its declaration")

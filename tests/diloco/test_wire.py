@@ -394,3 +394,10 @@ def test_copy_into_upcasts_bf16_into_fp32_exactly() -> None:
     assert torch.equal(dest.view(torch.int32), x.to(torch.bfloat16).to(torch.float32).view(torch.int32))
     with pytest.raises(ValueError):
         opened.copy_into([torch.empty(10_001, dtype=torch.float64)])
+    # Odd chunks split an element: refused before anything is written (the pooled bf16 path takes them).
+    odd = wire.open_message(wire.encode(wire.Pull(0, 1, 0), [("x", x)], wire_dtype="bfloat16", chunk_bytes=999))
+    untouched = torch.full((10_001,), 7.0)
+    with pytest.raises(ValueError, match="odd"):
+        odd.copy_into([untouched])
+    assert bool((untouched == 7.0).all())
+    assert torch.equal(odd.tensors()[0][1].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 
 import pytest
@@ -39,14 +40,16 @@ def test_host_buffer() -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_advice_keeps_a_large_buffer_out_of_forked_children_and_gives_it_back() -> None:
-    """What ``_registered_buffer`` does to anchors on a GPU host, checked on plain memory: a forked
-    child has no such pages (it dies touching them), the parent keeps them, and DOFORK undoes it."""
+    """What ``_registered_buffer`` does to a large registered buffer on a GPU host, checked on plain
+    memory: a forked child has no such pages (it dies touching them), the parent keeps them, and
+    DOFORK undoes it."""
     buf = torch.ones(device.DONT_FORK_MIN_BYTES + 12345, dtype=torch.uint8)
     middle = buf.data_ptr() + buf.numel() // 2
 
     def child_reads() -> int:
         pid = os.fork()
-        if pid == 0:  # the child reads one byte in the middle of the buffer
+        if pid == 0:  # the child reads one byte in the middle of the buffer (no core file if it dies)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             os._exit(ctypes.c_uint8.from_address(middle).value)
         return os.waitpid(pid, 0)[1]
 

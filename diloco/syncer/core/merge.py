@@ -306,8 +306,8 @@ class Merge:
                 "fold_order": order[0] if order and all(o == order[0] for o in order) else order,
                 "changed": changed,
                 "flush": r.flush,
-                # A round nobody pushed weight to commits without merging: it took no commit time.
-                "commit_s": round(now - r.commit_started, 6) if r.commit_started else 0.0,
+                # A round that changed nothing merged nothing (no weight, in any attempt): no commit time.
+                "commit_s": round(now - r.commit_started, 6) if changed else 0.0,
             }
         )
         log.info(

@@ -87,6 +87,10 @@ def test_link_figures_are_the_measured_rates_and_the_last_prediction() -> None:
     assert got.up_bytes_s == pytest.approx(10e6) and got.down_bytes_s == 4e6 and got.rtt_s == pytest.approx(0.05)
     assert got.round_s == pytest.approx(fit.up_s + fit.down_s) and got.window_s == fit.window_s == 5.0
     assert watch.figures(0) == LinkFigures()  # island 0 moved nothing
+    commit = {"round": 3, "pushed": [0, 1]}
+    assert watch.annotated(commit) == {**commit, "predicted_s": {"1": round(fit.round_s, 3)}}
+    dropped = {"round": 3, "pushed": [0, 1], "dropped": "non-finite commit"}
+    assert watch.annotated(dropped) is dropped and watch.annotated({"summary": 1}) == {"summary": 1}
 
 
 def test_rate_meter_times_bursts_not_idle_time() -> None:

@@ -120,7 +120,7 @@ def test_metrics_match_the_event_log_and_healthz_follows_the_loop(
         # The link as the syncer measured it: pushes came up, so the uplink has a rate.
         assert value("yeto_syncer_island_up_bytes_per_second", island=str(i)) > 0
         for name in ("down_bytes_per_second", "rtt_seconds", "round_transfer_predicted_seconds",
-                     "round_window_seconds"):
+                     "round_window_seconds"):  # served for every island (value() raises when absent)
             assert value("yeto_syncer_island_" + name, island=str(i)) >= 0
     assert value("yeto_syncer_commit_seconds_count") == len(commits)
     assert value("yeto_syncer_commit_seconds_sum") == pytest.approx(sum(e["commit_s"] for e in commits), abs=1e-3)
