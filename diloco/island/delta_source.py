@@ -23,9 +23,19 @@ import torch
 
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["DeltaSource", "PartRing"]
+__all__ = ["DeltaSource", "PartRing", "host_delta"]
 
 log = logging.getLogger(__name__)
+
+
+def host_delta(master: torch.Tensor, anchor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``master − anchor`` as a host fp32 tensor, written into ``out`` when given, else new. A
+    master on a device is copied down once (into ``out``, or a fresh host tensor) and the anchor
+    subtracted in place; a host master takes one pass."""
+    if master.device.type == "cpu":
+        return torch.sub(master, anchor, out=out)
+    host = master.to("cpu") if out is None else out.copy_(master)
+    return host.sub_(anchor)
 
 
 class DeltaSource:
@@ -67,12 +77,7 @@ class DeltaSource:
         segs, pos = [], 0
         for i, a, b in layout.segments(lo, hi):
             dst = None if out is None else out[pos : pos + b - a]
-            snap, anchor = self._snaps[i][a:b], self._anchors[i][a:b]
-            if snap.device.type != "cpu":  # a device master after the last step: one part copied down
-                dst = snap.to("cpu") if dst is None else dst.copy_(snap)
-                segs.append((self.names[i], dst.sub_(anchor)))
-            else:
-                segs.append((self.names[i], torch.sub(snap, anchor, out=dst)))
+            segs.append((self.names[i], host_delta(self._snaps[i][a:b], self._anchors[i][a:b], dst)))
             pos += b - a
         return segs
 

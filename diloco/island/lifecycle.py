@@ -155,13 +155,12 @@ class StartFinish:
         with ThreadPoolExecutor(max_workers=_CLAIM_THREADS, thread_name_prefix="yeto-claim") as pool:
             for f in range(self.plan.n_fragments):
                 self.data.anchor_own(f, mark=False)  # one copy down; the claim, INIT and a HELD read it
-                in_place = self.data.own_views(f) or self.data.master_views(f)
-                values = in_place if in_place is not None else self.transfer.export_fragment(f, delta=False)
+                values, gathered = self._starting_values(f)
                 if values is not None:
                     hashes.append(pool.submit(tensor_digest, values))
-                    if in_place is None:
+                    if gathered:
                         hashes[-1].result(self.cfg.transfer_timeout_s)  # a gathered copy lives only while hashed
-                del values, in_place
+                del values
             digests = [h.result(self.cfg.transfer_timeout_s) for h in hashes]
         if not self.is_sync:
             return None
@@ -169,12 +168,15 @@ class StartFinish:
                  self.cfg.island_id, len(digests), time.monotonic() - t0)
         return digests
 
-    def _starting_values(self, f: int) -> Tensors | None:
+    def _starting_values(self, f: int) -> tuple[Tensors | None, bool]:
         """Collective: ``f``'s fp32 value as this island starts from it, global tensors on the sync
-        rank (None elsewhere). Without a copy where the sync rank holds ``f`` whole (its anchors
-        after ``anchor_own``, or host masters; then no rank sends), else ``f`` gathered."""
+        rank (None elsewhere), and whether it was gathered into a copy. Without a copy where the
+        sync rank holds ``f`` whole (its anchors after ``anchor_own``, or host masters; then no
+        rank sends), else ``f`` gathered."""
         values = self.data.own_views(f) or self.data.master_views(f)
-        return values if values is not None else self.transfer.export_fragment(f, delta=False)
+        if values is not None:
+            return values, False
+        return self.transfer.export_fragment(f, delta=False), True
 
     def _stream_init(self, events: list[dict], fragments: list[int]) -> None:
         """Send these fragments' fp32 values (collective); gather the next while one is on the wire."""
@@ -191,7 +193,7 @@ class StartFinish:
                         break
             self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
                                             self.cfg.sync_rank))
-            values = self._starting_values(f)
+            values, _ = self._starting_values(f)
             if self.is_sync:
                 assert self.client is not None and values is not None
                 inflight.append(self.client.send_init(f, values))

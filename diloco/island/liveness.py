@@ -197,7 +197,7 @@ class CutWatch:
         if silent is not None:
             if self.on_init_s is None:
                 log.warning("island %d: initial cut waits on island 0's INIT (silent %.0f s); our link is fine, "
-                         "not redialing", self._island, silent)
+                            "not redialing", self._island, silent)
             self.on_init_s = silent
             return False
         self.on_init_s = None

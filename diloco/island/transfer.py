@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.hostmem import zero_in_parallel
+from diloco.island.delta_source import host_delta
 from diloco.wire.hostpool import HostBufferPool
 from diloco.layout.base import (
     LayoutAdapter,
@@ -279,12 +280,11 @@ class FragmentTransfer:
         memory, so the segment is copied down first.
         """
         master = self._pieces[h.piece].master[h.off : h.off + n]
-        anchor = self._anchors[h.piece][h.off : h.off + n] if delta else None
+        if delta:
+            return host_delta(master, self._anchors[h.piece][h.off : h.off + n], out)
         if out is not None:
-            out.copy_(master)
-            return out if anchor is None else out.sub_(anchor)
-        host = master if master.device.type == "cpu" else master.to("cpu")
-        return host if anchor is None else host - anchor
+            return out.copy_(master)
+        return master if master.device.type == "cpu" else master.to("cpu")
 
     def anchor_of(self, piece: int) -> torch.Tensor:
         """The flat fp32 anchor of one local piece (the global value last installed there),

@@ -77,7 +77,7 @@ def _collector(metrics: SyncerMetrics) -> Any:
                 ("up_bytes_per_second", "The island's uplink: data bytes/s of its pushes arriving (smoothed)"),
                 ("down_bytes_per_second", "The island's downlink: value bytes/s reaching it (smoothed)"),
                 ("rtt_seconds", "Round-trip time to the island"),
-                ("round_transfer_predicted_seconds", "One round's transfer predicted from the link: push up + value down"),
+                ("round_transfer_predicted_seconds", "One round's transfer predicted from the link: push up, commit, value down"),
                 ("round_window_seconds", "Seconds between two rounds at the measured step time"))}
             for isl in s.islands:
                 i = str(isl.island)
