@@ -1,10 +1,15 @@
 """Fork the ranks of one island on this machine, each under a gloo default process group.
 
 :func:`run_ranks` is how the demo (and the tests, examples and benchmarks) launch a multi-rank
-island without torchrun: it forks workers after the parent imported megatron (a world-4 launch
-then costs well under a second instead of seconds of imports per worker), gives each a gloo
-default group over a TCPStore the parent owns, collects one JSON-able result per rank, and turns
-any hang or crash into an exception naming the rank; no worker outlives the call.
+island without torchrun: it starts workers from a *forkserver* that imported torch and megatron
+once (a world-4 launch then costs well under a second instead of seconds of imports per worker),
+gives each a gloo default group over a TCPStore the parent owns, collects one JSON-able result per
+rank, and turns any hang or crash into an exception naming the rank; no worker outlives the call.
+
+Why a forkserver and not ``fork``: the caller (pytest, a benchmark, the demo) holds threads, and a
+child forked while another thread holds a lock (the heap's, logging's, torch's) can block on it
+forever, before it ever reaches the gloo rendezvous. The forkserver is single-threaded, so its
+children start clean. Each worker gets the caller's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ import torch
 import torch.distributed as dist
 
 
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state"]
+"""Modules the forkserver imports once, so that workers start without importing them (one missing
+is skipped by multiprocessing)."""
+
+
 def _worker(
     rank: int,
     world: int,
@@ -32,9 +42,12 @@ def _worker(
     conn: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    env: dict[str, str],
 ) -> None:
     code = 0
     try:
+        os.environ.clear()
+        os.environ.update(env)
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(
@@ -49,16 +62,16 @@ def _worker(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
-        # os._exit: skip atexit / destructors of objects inherited from the
-        # parent by fork (the parent's TCPStore server thread does not exist here).
+        # os._exit: skip atexit / destructors (a half-built process group must not block the exit).
         os._exit(code)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
               may_die: Collection[int] = ()) -> list[Any]:
-    """Fork `world` workers that each run `fn(rank, world, *args)` under a gloo default group.
+    """Start `world` workers that each run `fn(rank, world, *args)` under a gloo default group.
 
-    `fn` must be a module-level function and return something JSON-able. The
+    `fn` and `args` must pickle (`fn` a module-level function, or a partial of one) and `fn` must
+    return something JSON-able. The
     parent must not have created a process group. The parent owns the
     TCPStore server (port 0, so no port races). Returns every rank's result
     in rank order. Raises RuntimeError naming the first rank that failed (with
@@ -69,14 +82,16 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     if dist.is_initialized():
         raise RuntimeError("run_ranks: the parent must not hold a process group")
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts (the first call)
+    env = dict(os.environ)
     procs: list[Any] = []
     conns: list[Any] = []
     for rank in range(world):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(rank, world, store.port, timeout_s, child_conn, fn, args),
+            args=(rank, world, store.port, timeout_s, child_conn, fn, args, env),
             name=f"rank{rank}",
             daemon=True,
         )

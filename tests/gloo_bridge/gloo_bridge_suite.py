@@ -41,7 +41,7 @@ def _worker(rank: int, env: dict[str, str], body: Callable[[int], list[str]], ou
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdict))
 
 
-def run_ranks(world: int, body: Callable[[int], list[str]], out_dir: Path, *, start_method: str = "fork",
+def run_ranks(world: int, body: Callable[[int], list[str]], out_dir: Path, *, start_method: str = "forkserver",
               env: dict[str, str] | None = None, timeout_s: float = 150.0) -> list[dict[str, Any]]:
     """Run ``body(rank)`` in ``world`` processes; return every rank's verdict.
 
