@@ -57,6 +57,12 @@ class SyncerConfig:
         max_open_rounds: rounds open at once, committing ones included (``--max-open-rounds``):
             each holds one fragment's running sum, so this bounds the sums' memory; the round
             clock opens no further round (no PULL, so no push arrives for it) until one commits.
+        max_gathering_rounds: open rounds still gathering pushes (not yet closed) at once
+            (``--max-gathering-rounds``, at most ``max_open_rounds``): the next round opens only
+            once the rounds before it have all their pushes (are committing, or wait to), so the
+            sums filling at once hold this many fragments, while a committing round's sum is
+            already the fragment's next value. Islands with one snapshot slot never push two
+            training rounds at once anyway; the flush's rounds then stream one after another.
         quant_block: elements per scale of ``int8`` / ``q4`` pushes (``--quant-block``); an
             island with another block size is refused at HELLO.
         flush_merge: how flush rounds merge (``--flush-merge``): ``mean`` (default) moves the
@@ -85,6 +91,7 @@ class SyncerConfig:
     quant_block: int = 64
     max_refusals: int = 5
     max_open_rounds: int = 2
+    max_gathering_rounds: int = 1
     flush_merge: str = "mean"
     island_keys: tuple[tuple[int, str], ...] = ()
     """Curve mode: fixed ``(island id, Z85 public key)`` bindings (``--island-keys``); empty: first use."""
@@ -137,6 +144,9 @@ class SyncerConfig:
              f"must be >= 1, got {self.max_refusals}")
         need(isinstance(self.max_open_rounds, int) and self.max_open_rounds >= 1, "--max-open-rounds",
              f"must be >= 1, got {self.max_open_rounds}")
+        need(isinstance(self.max_gathering_rounds, int) and 1 <= self.max_gathering_rounds <= self.max_open_rounds,
+             "--max-gathering-rounds", f"must be in [1, --max-open-rounds ({self.max_open_rounds})], "
+             f"got {self.max_gathering_rounds}")
         need(isinstance(self.max_tokens_per_step, int) and self.max_tokens_per_step >= 1, "--max-tokens-per-step",
              f"must be >= 1, got {self.max_tokens_per_step}")
         need(self.max_steps_factor >= 1, "max_steps_factor", f"must be >= 1, got {self.max_steps_factor}")

@@ -4,7 +4,8 @@
 each, an ``OpenRound``: its fragment, attempt, frozen members, pushes and running sum), the next
 round to open and the first round not yet committed. Its rules: which island's step opens a
 round when islands run at different speeds (the K-th fastest still training), one open round
-per fragment and at most ``--max-open-rounds``, a round's sum must fit the fragment buffers'
+per fragment, at most ``--max-open-rounds`` and of them at most ``--max-gathering-rounds`` still
+gathering pushes, a round's sum must fit the fragment buffers'
 budget (it waits at most ``book.OVER_BUDGET_WAIT_S``), how an attempt restarts, and that
 commits retire rounds so that ``next_commit`` is the first uncommitted one.
 
@@ -61,6 +62,12 @@ class RoundBook:
     def has_fragment(self, fragment: int) -> bool:
         """Whether a round of ``fragment`` is open (one open round per fragment)."""
         return any(r.fragment == fragment for r in self.rounds.values())
+
+    def full(self) -> bool:
+        """Whether no further round may open now: ``--max-open-rounds`` are open, or
+        ``--max-gathering-rounds`` of them still gather pushes (not closed)."""
+        gathering = sum(not r.closed for r in self.rounds.values())
+        return len(self.rounds) >= self.config.max_open_rounds or gathering >= self.config.max_gathering_rounds
 
     def status(self) -> str:
         """The open rounds for the status line: round/fragment/attempt:complete/members, C closed, F flush."""
@@ -133,8 +140,8 @@ class RoundBook:
             fragment = sched.fragment_of(t)
             if self.has_fragment(fragment):
                 return opened, False  # the previous round of this fragment is still uncommitted
-            if len(self.rounds) >= self.config.max_open_rounds:
-                return opened, False  # --max-open-rounds: each open round holds a running sum
+            if self.full():
+                return opened, False  # each open round holds a running sum
             if not self.sum_fits(fragment, now):
                 return opened, False
             opened.append(self.open(t, fragment, members, now, flush=False))
@@ -149,7 +156,7 @@ class RoundBook:
                 continue
             if any(r.flush and r.fragment == fragment for r in self.rounds.values()):
                 continue
-            if len(self.rounds) >= self.config.max_open_rounds or not self.sum_fits(fragment, now):
+            if self.full() or not self.sum_fits(fragment, now):
                 return opened
             opened.append(self.open(self.next_open, fragment, members, now, flush=True))
             log.info("open flush round %d fragment %d, members %s", self.next_open - 1, fragment, sorted(members))

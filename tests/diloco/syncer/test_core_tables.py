@@ -73,7 +73,7 @@ def test_sessions_ready_needs_a_proven_session_and_a_cut() -> None:
 
 
 def roundbook(**cfg: object) -> RoundBook:
-    config = replace(CFG, **cfg)
+    config = replace(CFG, **{"max_gathering_rounds": min(2, int(cfg.get("max_open_rounds", 2))), **cfg})
     book = FragmentBook(config, HostBufferPool())
     book.fix_layout(FP, 2)
     return RoundBook(config, book)
@@ -97,6 +97,25 @@ def test_roundbook_opens_by_the_kth_fastest_clock_one_round_per_fragment() -> No
     assert rb.next_commit == 1  # commits finish out of order: round 1 is still the first uncommitted
     rb.retire(r1)
     assert rb.next_commit == 3 and "r" not in rb.status()
+
+
+def test_one_round_gathers_at_a_time_by_default_the_next_opens_once_it_closed() -> None:
+    rb = roundbook(max_gathering_rounds=1)
+    opened_, _ = rb.open_training(islands_at(9, 4, 0), now=0.0)
+    assert [(r.round, r.fragment) for r in opened_] == [(1, 0)]  # round 2's step is reached, round 1 gathers
+    assert rb.full() and rb.open_flush({1}, frozenset({0, 1}), now=0.0) == []
+    rb.rounds[1].closed = True  # round 1 has its pushes (it commits): its sum is the next value, not a new sum
+    opened_, _ = rb.open_training(islands_at(9, 4, 0), now=0.0)
+    assert [(r.round, r.fragment) for r in opened_] == [(2, 1)] and rb.full()
+    rb.retire(rb.rounds[1])
+    assert rb.full()  # round 2 gathers
+
+
+def test_gathering_rounds_must_fit_the_open_rounds() -> None:
+    with pytest.raises(ValueError, match="--max-gathering-rounds"):
+        replace(CFG, max_open_rounds=2, max_gathering_rounds=3)
+    with pytest.raises(ValueError, match="--max-gathering-rounds"):
+        replace(CFG, max_gathering_rounds=0)
 
 
 def test_roundbook_flush_rounds_within_the_open_rounds_limit() -> None:

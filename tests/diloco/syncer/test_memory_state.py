@@ -26,7 +26,7 @@ def _round_ready(d, rnd: int, now: float) -> None:
 
 def test_a_round_waits_while_a_superseded_value_is_held(monkeypatch) -> None:
     monkeypatch.setattr(round_rules, "OVER_BUDGET_WAIT_S", 5.0)
-    d = one.started(dataclasses.replace(one.CFG, max_open_rounds=1, outer_momentum=0.0))
+    d = one.started(dataclasses.replace(one.CFG, max_open_rounds=1, max_gathering_rounds=1, outer_momentum=0.0))
     frag_bytes = d.st.fragments[0].layout.numel * 4
     assert d.st.book.live_bytes == frag_bytes  # the value
     one.open_round(d, 1)

@@ -32,6 +32,7 @@ CFG = SyncerConfig(
     islands=3, quorum=2, sync_every=2, quorum_timeout_s=10.0, grace_ms=100.0,
     dead_after_s=30.0, final_timeout_s=5.0, checkpoint_every=0, part_elems=E,
     outer_lr=0.7, outer_momentum=0.9,  # DiLoCo's Nesterov step: the references check the momentum path too
+    max_gathering_rounds=2,  # rounds that gather side by side (the default, one, in test_core_tables)
 )
 # One fragment of 27295 elements: 7 parts, segments cut inside and across tensors.
 SCHEMA = [("a", (5000,)), ("b", (3, 4096)), ("c", (7,)), ("d", (10000,))]

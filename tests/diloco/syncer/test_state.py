@@ -45,6 +45,7 @@ CFG = SyncerConfig(
     islands=3, quorum=2, sync_every=4, quorum_timeout_s=10.0, grace_ms=100.0,
     dead_after_s=30.0, final_timeout_s=5.0, checkpoint_every=1, part_elems=E,
     outer_lr=0.7, outer_momentum=0.9,  # DiLoCo's Nesterov step: the references check the momentum path too
+    max_gathering_rounds=2,  # rounds that gather side by side (the default, one, in test_core_tables)
 )
 # fragment 0: a (3,), b (2, 4100): 8203 elements, 3 parts; fragment 1: c (4,), 1 part.
 # With H=4, P=2 round t opens when the 2nd fastest island reaches step 2t.
@@ -518,7 +519,7 @@ def test_snapshot_stays_consistent_while_fragments_commit(monkeypatch) -> None:
     (``--max-open-rounds 1``) waits until the writer has written its fragment (``unpin``); past
     ``commit.PIN_WAIT_S`` it writes the new momentum beside the pinned one."""
     monkeypatch.setattr(commit_rules, "PIN_WAIT_S", 5.0)
-    d = started(dataclasses.replace(CFG, max_open_rounds=1))
+    d = started(dataclasses.replace(CFG, max_open_rounds=1, max_gathering_rounds=1))
     st = d.st
     open_round1(d)
     for i in range(3):
