@@ -2,7 +2,9 @@
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
 # usage: bash scripts/device_batch.sh JOB...   JOB: probe | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
-# Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs).
+# (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
+# Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
+# PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS=${WHEELS:-$REPO/.whl}
@@ -19,8 +21,15 @@ for job in "$@"; do
     wan*) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/$job" ${WAN_ARGS:-} 2>&1 | grep '^{' ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
-    *) install; OUT=$WORKDIR SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "$job" "$WHEELS" >/dev/null 2>&1
-       grep -v "^\s*$" "$WORKDIR/$job/report.txt" | grep -v "loss lines\|'loss'" | tail -45 ;;
+    *) install
+       if [ "${PROFILE:-0}" = 1 ]; then
+         python3 "$REPO/scripts/profile_syncer.py" "$WORKDIR/prof_$job" --delay-s "${PROFILE_DELAY_S:-40}" \
+           --spy-s "${PROFILE_SPY_S:-30}" >"$WORKDIR/prof_$job.txt" 2>&1 &
+       fi
+       OUT=$WORKDIR/$job SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%%_*}" "$WHEELS" >/dev/null 2>&1
+       wait
+       [ -f "$WORKDIR/prof_$job.txt" ] && head -12 "$WORKDIR/prof_$job.txt"
+       grep -v "^\s*$" "$WORKDIR/$job/${job%%_*}/report.txt" | grep -v "loss lines\|'loss'" | tail -45 ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$WORKDIR" --exclude='*.pt' --exclude='ckpt' . 2>/dev/null  # after every job
 done
