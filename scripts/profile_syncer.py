@@ -37,7 +37,7 @@ def find_syncer(timeout_s: float) -> int | None:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if b"diloco.syncer" in cmd and b"profile_syncer" not in cmd:
+            if b"-m diloco.syncer" in cmd:
                 return int(d.name)
         time.sleep(0.2)
     return None
