@@ -76,6 +76,13 @@ class IslandConfig:
     one's commit is installed, which costs rounds only when rounds come faster than commits
     land (``H / fragments`` steps below the commit lag). ``1..fragments``."""
 
+    snapshot_on_device: bool = False
+    """``YETO_DILOCO_SNAPSHOT_ON_DEVICE``: keep the snapshot slots in the accelerator's memory, beside
+    the masters, instead of (pinned) host memory: each slot then costs one fragment's share of the
+    rank in device memory and none on the host, so ``YETO_DILOCO_SNAPSHOT_SLOTS`` 2 lets the push of
+    the next fragment overlap the outstanding round at the host cost of one slot less. Ignored when
+    the rank's masters are in host memory (CPU training)."""
+
     transfer_timeout_s: float = 300.0
     """``YETO_DILOCO_TRANSFER_TIMEOUT_S``: bound on every background transfer wait and on the
     data group's collectives; a rank that died shows up as an error within it."""
@@ -276,6 +283,7 @@ _ENV_OF: dict[str, str] = {
     "apply_mode": "YETO_DILOCO_APPLY",
     "pushes_in_flight": "YETO_DILOCO_PUSHES_IN_FLIGHT",
     "snapshot_slots": "YETO_DILOCO_SNAPSHOT_SLOTS",
+    "snapshot_on_device": "YETO_DILOCO_SNAPSHOT_ON_DEVICE",
     "sync_rounds": "YETO_DILOCO_SYNC_ROUNDS",
     "transfer_timeout_s": "YETO_DILOCO_TRANSFER_TIMEOUT_S",
     "tune_malloc": "YETO_DILOCO_TUNE_MALLOC",
@@ -338,7 +346,7 @@ def _check_type(cfg: IslandConfig, name: str) -> None:
 
 _KIND: dict[str, str] = {
     "sync_addr": "str", "island_id": "int", "key": "bytes", "fragments": "int", "alpha": "float",
-    "apply_mode": "str", "pushes_in_flight": "int", "snapshot_slots": "int", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
+    "apply_mode": "str", "pushes_in_flight": "int", "snapshot_slots": "int", "snapshot_on_device": "bool", "sync_rounds": "bool", "transfer_timeout_s": "float", "tune_malloc": "bool",
     "wire_dtype": "str", "initial_cut_timeout_s": "float", "skip_matching_cut": "bool", "step_log": "str?", "writer": "any",
     "log_interval": "int", "tokens_per_step": "int",
     "heartbeat_s": "float", "sync_timeout_s": "float", "connect_timeout_s": "float", "final_timeout_s": "float",
@@ -418,7 +426,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
 
 
 _PARSERS = {
-    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "snapshot_slots": _int_of, "sync_rounds": _bool_of,
+    "fragments": _int_of, "alpha": _float_of, "apply_mode": _str, "pushes_in_flight": _int_of, "snapshot_slots": _int_of, "snapshot_on_device": _bool_of, "sync_rounds": _bool_of,
     "transfer_timeout_s": _float_of, "tune_malloc": _bool_of, "wire_dtype": _str, "initial_cut_timeout_s": _float_of,
     "skip_matching_cut": _bool_of,
     "step_log": _str, "log_interval": _int_of, "tokens_per_step": _int_of, "heartbeat_s": _float_of, "sync_timeout_s": _float_of,

@@ -9,7 +9,8 @@
 #   RESULT_DIR  where the logs, step logs and digests are copied at the end (default: $OUT or
 #               /tmp/yeto_swift_out); the run itself works in $WORK (default /tmp/yeto_swift).
 # Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599), MODEL_ARGS (tiny),
-#   SYNCER_ARGS (extra yeto-syncer flags), ISLAND_ENV (extra VAR=value pairs for both islands),
+#   SYNCER_ARGS (extra yeto-syncer flags), SYNCER_ENV (extra VAR=value pairs for the syncer),
+#   ISLAND_ENV (extra VAR=value pairs for both islands),
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
 #   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs),
 #   NO_PLUGIN=1 (the same two jobs without the plugin and without a syncer: the baseline of the
@@ -66,7 +67,7 @@ if [ -n "${NO_PLUGIN:-}" ]; then
   sleep infinity & SYNCER=$!  # no syncer: a placeholder the waits below can end
 else
   PLUGIN_ARGS=(--external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto)
-PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
+PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" env ${SYNCER_ENV:-} $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
   --total-steps "$STEPS" --grace-ms 500 --quorum-timeout-s 120 --final-timeout-s 300 --dead-after-s 120 \
   --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 ${SYNCER_ARGS:-} \
   >"$WORK/syncer.log" 2>&1 &

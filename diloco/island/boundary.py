@@ -119,7 +119,8 @@ class Island(StartFinish, Landings):
         timeout = timedelta(seconds=config.transfer_timeout_s)
         self.transfer = FragmentTransfer(layout, self.plan, self.group, sync_rank=config.sync_rank, timeout=timeout)
         self.data_group = _data_group(self.group, timeout)
-        self.data = DataPath(self.transfer, self.data_group, slots=config.snapshot_slots)
+        self.data = DataPath(self.transfer, self.data_group, slots=config.snapshot_slots,
+                             slot_device=config.snapshot_on_device)
         self.bg = Background(f"yeto-data-{self.rank}", config.pushes_in_flight, config.transfer_timeout_s)
         self._tokens_given = bool(tokens_per_step or config.tokens_per_step)
         self.tokens_per_step = tokens_per_step or config.tokens_per_step or 1

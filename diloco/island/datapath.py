@@ -25,7 +25,8 @@ Buffers, each with a budget (logged at start by :meth:`DataPath.preallocate`):
 
 * the **anchor** of every piece this rank holds (fp32, owned by the ``FragmentTransfer``):
   one copy of this rank's slice of the model, the only buffer that grows with the model;
-* one **snapshot slot** (pinned when the masters live on an accelerator), sized to this
+* one **snapshot slot** (:mod:`diloco.island.slots`: pinned host memory when the masters live on
+  an accelerator, or beside them in its memory with ``YETO_DILOCO_SNAPSHOT_ON_DEVICE``), sized to this
   rank's largest share of one fragment, whatever the number of fragments: it holds θ_push of
   the one fragment whose push is outstanding, from the snapshot until that fragment's commit
   is installed. Staging writes the received global value straight into the anchor and turns
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 from diloco.island.delta_source import DeltaSource
 from diloco.island.quiet import QuietAnchors
+from diloco.island.slots import SnapshotSlots
 from diloco.island.transfer import _TAG_APPLY, _TAG_EXPORT, _TAG_FORWARD, ExportAssembly, FragmentTransfer
 from diloco.layout.base import group_rank
 from gloo_bridge import device as dev
@@ -80,7 +82,8 @@ class DataPath:
             by the background worker.
     """
 
-    def __init__(self, xfer: FragmentTransfer, group: dist.ProcessGroup, slots: int = 1) -> None:
+    def __init__(self, xfer: FragmentTransfer, group: dist.ProcessGroup, slots: int = 1,
+                 slot_device: bool = False) -> None:
         if group_rank(group) != xfer._me or dist.get_world_size(group) != xfer._world:
             raise ValueError("DataPath: the data group must have the island group's ranks, in its order")
         self._x = xfer
@@ -106,21 +109,11 @@ class DataPath:
                     merged.append((p, off, n))
             self._held.append(merged)
         self._whole = [self._held_whole(f) for f in range(len(xfer._routes))]
-        self._pinned = any(dev.is_accelerator(p.master) for p in pieces) and dev.pinning_available()
-        if slots < 1:
-            raise ValueError(f"DataPath: slots must be >= 1, got {slots}")
-        self._n_slots = slots
-        self._slot: torch.Tensor | None = None
-        """One block of ``slots`` snapshot slots (one registration when pinned)."""
-        self._owners: dict[int, int] = {}
-        """Fragment -> index of the slot holding its θ_push."""
-        self._slot_views: dict[int, torch.Tensor] = {}
-        """Piece -> its θ_push in its fragment's slot (pieces belong to one fragment each)."""
+        pinned = any(dev.is_accelerator(p.master) for p in pieces) and dev.pinning_available()
+        self._slots = SnapshotSlots([p.master for p in pieces], slots, pinned, slot_device)
+        self._allocated = False
         self._slotless: set[int] = set()
-        self._slot_events: dict[int, object | None] = {}
-        self._snap_event: object | None = None
         self._install_event: dict[int, object | None] = {}
-        self._side: dict[str, object | None] = {}
         self._sent: dict[int, threading.Event] = {}
         self._quiet = QuietAnchors(len(xfer._routes))
         self._own: set[int] = set()  # fragments whose anchors hold this rank's own masters (anchor_own)
@@ -157,17 +150,10 @@ class DataPath:
         """Allocate the snapshot slot and every anchor now (at start-up), not at a fragment's
         first push: pinned memory is slow to allocate and that must not land on a training
         step. Returns the bytes by kind (what the island logs)."""
-        if self._slot is None:
-            self._slot = dev.host_buffer(self._n_slots * self.slot_nbytes(), self._pinned).view(torch.float32)
+        slots = self._slots.allocate(self.slot_nbytes())
+        self._allocated = True
         self._x.allocate_anchors()
-        return {"anchors": self._x.anchor_nbytes(), "snapshot_slots": self._slot.numel() * 4,
-                "pinned": self._slot.numel() * 4 if self._pinned else 0}
-
-    def _side_stream(self, device: torch.device) -> object | None:
-        key = str(device)
-        if key not in self._side:
-            self._side[key] = dev.new_stream(device)
-        return self._side[key]
+        return {"anchors": self._x.anchor_nbytes(), **slots}
 
     def share_nbytes(self, f: int) -> int:
         """Bytes of this rank's pieces of fragment ``f`` (what a snapshot copies)."""
@@ -175,14 +161,13 @@ class DataPath:
 
     def slot_free_for(self, f: int) -> bool:
         """Whether a snapshot of ``f`` may be taken now (the slot is free, or already ``f``'s)."""
-        return f in self._owners or len(self._owners) < self._n_slots
+        return self._slots.free_for(f)
 
     def free(self) -> None:
         """Drop the snapshot slot and every anchor (after the final cut)."""
         self.release_all(0.0)
-        if self._slot is not None:
-            dev.free_host_buffer(self._slot)
-        self._slot = None
+        self._slots.free()
+        self._allocated = False
         self._x.free_anchors()
 
     def receive_views(self, f: int, dtype: str, busy: bool = False) -> tuple[list[torch.Tensor] | None, int]:
@@ -229,9 +214,7 @@ class DataPath:
 
     def _release(self, f: int) -> None:
         """Give ``f``'s slot back (its views go with it)."""
-        if self._owners.pop(f, None) is not None:
-            for p in self._mine[f]:
-                self._slot_views.pop(p, None)
+        self._slots.release(f, self._mine[f])
 
     def gathers_whole(self) -> bool:
         """Whether no push of this rank assembles a fragment (a non-sync rank only sends; a
@@ -240,36 +223,36 @@ class DataPath:
 
     def free_slots(self) -> int:
         """Snapshot slots no fragment holds."""
-        return self._n_slots - len(self._owners)
+        return self._slots.free_count()
 
     def slot_holders(self) -> frozenset[int]:
         """The fragments whose θ_push a slot holds."""
-        return frozenset(self._owners)
+        return self._slots.holders()
 
     @property
     def n_slots(self) -> int:
-        return self._n_slots
+        return self._slots.n
 
     def release_all(self, timeout_s: float) -> bool:
         """Forget every snapshot (before a final cut, which replaces every value), once the
         client stopped reading every push (bounded wait; False if one was still read)."""
         ok = all(ev.wait(timeout_s) for ev in self._sent.values())
-        self._owners, self._slot_views = {}, {}
+        self._slots.release_all()
         self._slotless.clear()
         self._sent.clear()
         return ok
 
     def holds_snapshot(self, f: int) -> bool:
         """Whether the slot holds θ_push of ``f`` (a progress install is possible)."""
-        return f in self._owners
+        return self._slots.holds(f)
 
     # ------------------------------------------------------------------ training thread
     def snapshot(self, f: int, slotless: bool = False) -> None:
         """Take θ_push of ``f``: copy this rank's pieces of its masters into the slot.
 
-        CPU: a plain copy. Accelerator: async copies on a side stream after the compute
-        stream's pending work (the optimizer step); the compute stream then waits for them on
-        the device, so the next write of a master cannot race the copy.
+        CPU: a plain copy. Accelerator: async copies ordered after the compute stream's pending
+        work (the optimizer step) and before the next write of a master (``slots.SnapshotSlots``:
+        a side stream into host slots, the compute stream into device slots).
 
         ``slotless``: the masters will not move again (after the last step): the push reads
         them directly and no slot is taken. Refuses (ValueError) a snapshot while every slot
@@ -278,41 +261,11 @@ class DataPath:
             self._slotless.add(f)
             self._release(f)
             return
-        if not self.slot_free_for(f):
-            raise ValueError(f"snapshot({f}): every slot is taken (fragments {sorted(self._owners)})")
-        if self._slot is None:
+        if not self._allocated:
             self.preallocate()
-        assert self._slot is not None
         self._slotless.discard(f)
-        if f not in self._owners:
-            self._owners[f] = min(set(range(self._n_slots)) - set(self._owners.values()))
-        idx, pos = self._owners[f], 0
-        # A device copy out of this slot (an earlier install) is on the compute stream: the side
-        # stream below waits for that stream, so the device orders the two copies.
-        self._slot_events.pop(idx, None)
-        base = self._slot[idx * (self._slot.numel() // self._n_slots):]
-        for p in self._mine[f]:
-            n = self._x._pieces[p].end - self._x._pieces[p].start
-            self._slot_views[p] = base[pos : pos + n]
-            pos += n
-        by_device: dict[str, list[int]] = {}
-        for p in self._mine[f]:
-            master = self._x._pieces[p].master
-            if dev.is_accelerator(master):
-                by_device.setdefault(str(master.device), []).append(p)
-            else:
-                self._slot_views[p].copy_(master)
-        self._snap_event = None
-        for name, ps in by_device.items():
-            device = torch.device(name)
-            side, main = self._side_stream(device), dev.current_stream(device)
-            dev.stream_wait_event(side, dev.record_event(main))
-            with dev.use_stream(side):
-                for p in ps:
-                    self._slot_views[p].copy_(self._x._pieces[p].master, non_blocking=True)
-            done = dev.record_event(side)
-            dev.stream_wait_event(main, done)
-            self._snap_event = done
+        pieces = self._mine[f]
+        self._slots.take(f, pieces, [self._x._pieces[p].end - self._x._pieces[p].start for p in pieces])
 
     def install(self, f: int, mode: str, alpha: float = 0.0, fused: bool = True) -> None:
         """Write ``f``'s masters from what :meth:`stage` staged (the anchor holds the global).
@@ -323,7 +276,7 @@ class DataPath:
         multiply-add, else each term rounded on its own). Frees the slot if ``f`` held it."""
         if mode not in ("cut", "progress", "blend"):
             raise ValueError(f"install: unknown mode {mode!r}")
-        if mode == "progress" and f not in self._owners:
+        if mode == "progress" and not self._slots.holds(f):
             raise ValueError(f"install({f}, progress): the slot does not hold fragment {f}")
         event = None
         for p, off, n in self._held[f]:
@@ -331,7 +284,9 @@ class DataPath:
             anchor = self._x.anchor_of(p)[off : off + n]
             nb = dev.is_accelerator(master)
             if mode == "progress":
-                work = self._slot_views[p][off : off + n]
+                work = self._slots.view(p)
+                assert work is not None
+                work = work[off : off + n]
                 master.add_(work.to(master.device, non_blocking=True) if nb else work)
             elif mode == "cut" or alpha == 0.0:
                 master.copy_(anchor, non_blocking=nb)
@@ -342,9 +297,7 @@ class DataPath:
                 master.copy_(master * alpha + anchor.to(master.device) * (1.0 - alpha))
             if nb:
                 event = dev.record_event(dev.current_stream(master.device))
-        if f in self._owners:
-            self._slot_events[self._owners[f]] = event
-            self._release(f)
+        self._slots.installed(f, self._mine[f], event)
         self._slotless.discard(f)
         self._install_event[f] = event
         self._x._anchored.add(f)
@@ -375,9 +328,9 @@ class DataPath:
     # ------------------------------------------------------------------ background worker
     def _snap_of(self, p: int, off: int, n: int) -> torch.Tensor:
         """θ_push of a held run: the slot, or the master itself after a slotless snapshot."""
-        view = self._slot_views.get(p)
+        view = self._slots.view(p)
         if view is not None:
-            return view[off : off + n]
+            return view[off : off + n] if view.device.type == "cpu" else view[off : off + n].to("cpu")
         master = self._x._pieces[p].master[off : off + n]
         return master if master.device.type == "cpu" else master.to("cpu")
 
@@ -391,9 +344,9 @@ class DataPath:
         x = self._x
         if f not in x._anchored:
             raise ValueError(f"gather_delta({f}): fragment {f} has no anchor (never applied)")
-        if f not in self._slotless and f not in self._owners:
+        if f not in self._slotless and not self._slots.holds(f):
             raise ValueError(f"gather_delta({f}): no snapshot of fragment {f}")
-        dev.event_synchronize(self._snap_event)
+        dev.event_synchronize(self._slots.snap_event)
         route = x._routes[f]
         whole = self._whole[f]
         if whole is not None:
@@ -401,7 +354,7 @@ class DataPath:
             # (on a device, DeltaSource copies them down one part at a time).
             names = [name for name, _, _ in whole]
             sizes = [spec.numel for spec in x._plan.specs_of(f)]
-            snaps = [(x._pieces[p].master if f in self._slotless else self._slot_views[p])[off : off + n]
+            snaps = [(x._pieces[p].master if f in self._slotless else self._slots.view(p))[off : off + n]  # type: ignore[index]
                      for (_, p, off), n in zip(whole, sizes)]
             anchors = [x.anchor_of(p)[off : off + n] for (_, p, off), n in zip(whole, sizes)]
             return DeltaSource(names, snaps, anchors)
@@ -469,8 +422,7 @@ class DataPath:
         if sent is not None and not sent.wait(timeout_s):
             raise TimeoutError(f"stage({f}): the client still reads the push of fragment {f} after {timeout_s:.0f}s")
         dev.event_synchronize(self._install_event.pop(f, None))  # an async copy may still read the anchor
-        if f in self._owners:
-            dev.event_synchronize(self._slot_events.get(self._owners[f]))
+        self._slots.wait_reads(f)
 
         def slot(h_piece: int, off: int, n: int) -> torch.Tensor:
             return x.anchor_of(h_piece)[off : off + n]
@@ -496,9 +448,5 @@ class DataPath:
         x._wait(fwd_works)
         del keep
         if progress:
-            if f not in self._owners:
-                raise ValueError(f"stage({f}, progress): the slot does not hold fragment {f}")
-            for p, off, n in self._held[f]:
-                work = self._slot_views[p][off : off + n]
-                torch.sub(x.anchor_of(p)[off : off + n], work, out=work)
+            self._slots.correct(f, self._held[f], x.anchor_of)
         return handed
