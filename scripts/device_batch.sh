@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
 # Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
 # PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
@@ -21,6 +21,7 @@ for job in "$@"; do
     wan*) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/$job" ${WAN_ARGS:-} 2>&1 | grep '^{' ;;
     gputest) install; (cd "$REPO" && python3 -m pytest -q -m gpu -p no:cacheprovider tests/diloco/island/test_slots.py \
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
+    recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
     *) install
