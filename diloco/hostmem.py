@@ -5,12 +5,14 @@ block, later blocks of that size come from the heap, and freed heap memory is ke
 the heap is trimmed and mapped again). Pinning the thresholds disables the dynamic moves. The two
 kinds of process want opposite things:
 
-* the **syncer** receives tens of MiB of parts per second through zmq (whose frames libzmq
-  mallocs and frees): blocks above ``SYNCER_MMAP_BYTES`` are always mapped and unmapped on free,
-  and the heap is trimmed above ``SYNCER_TRIM_BYTES``, so transient receive buffers never stay
-  resident (:func:`tune_syncer_malloc`). A 64 MiB threshold (frames reused from the heap) moved a
-  bare loopback stream from 1.8 to 2.4 GB/s on the CPU machine, but the 2.7B device run with it
-  read a slower up-link (docs/PERFORMANCE.md, session 6), so it is not the default;
+* the **syncer** receives GB of parts through zmq, whose I/O thread mallocs every received
+  frame (4 MiB) and reads the socket into it: with frames above the mmap threshold each one is
+  mapped, faulted in page by page and unmapped again on that one thread, which capped a bare
+  loopback ROUTER at 2.0 GB/s on the device host (5.3 GB/s from one sender and 7.9 from two
+  with frames reused from the heap; ``scripts/probe_recv.py``, docs/PERFORMANCE.md). So blocks
+  up to ``SYNCER_MMAP_BYTES`` (64 MiB, above any frame) come from the heap and are reused, and
+  the heap is trimmed above ``SYNCER_TRIM_BYTES``, so freed frames keep at most that much
+  resident (:func:`tune_syncer_malloc`);
 * an **island** runs a training loop whose parameter-sized temporaries (AdamW's
   ``exp_avg_sq.sqrt()``, ``grad * lr``, ...) must stay on the heap and be reused, never freshly
   mapped each step: ``ISLAND_MMAP_BYTES`` = 32 MiB (glibc's maximum on 64-bit) and
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
-SYNCER_MMAP_BYTES = 1 << 20
+SYNCER_MMAP_BYTES = 64 << 20
 SYNCER_TRIM_BYTES = 64 << 20
 ISLAND_MMAP_BYTES = 32 << 20
 ISLAND_TRIM_BYTES = 1 << 30
@@ -68,7 +70,8 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
 
 
 def tune_syncer_malloc() -> bool:
-    """The syncer's profile: transient receive buffers are unmapped at once (see the module docstring)."""
+    """The syncer's profile: received frames are reused from the heap, which is trimmed above 64 MiB
+    (see the module docstring)."""
     return set_malloc_thresholds(SYNCER_MMAP_BYTES, SYNCER_TRIM_BYTES)
 
 

@@ -405,6 +405,12 @@ class SyncerLoop:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self.listener.guard.monitor, zmq.POLLIN)
+        # While the data plane's backlog is at its cap the loop does not read the islands' socket, so
+        # it must not wait on it either (readable, it would wake the loop at once, every time: a spin
+        # that holds the GIL the data plane needs to drain): it waits for results and the monitor.
+        held = zmq.Poller()
+        held.register(self._wake_r, zmq.POLLIN)
+        held.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
         # Received parts held for the data plane: at most one per worker (each up to --part-mib);
         # zmq holds at most ``rcvhwm`` more per island.
@@ -425,7 +431,8 @@ class SyncerLoop:
                     except ValueError as e:
                         log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
-                poller.poll(1 if busy else self.options.poll_ms)
+                full = self.data.backlog_bytes >= backlog_cap
+                (held if full else poller).poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()
                 self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
