@@ -26,7 +26,8 @@ from diloco.syncer.core.config import ConfigError, SyncerConfig
 from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.dataplane import default_threads
 from diloco.syncer.allowlist import read_allow_list
-from diloco.syncer.loop import LoopOptions, SyncerLoop
+from diloco.syncer.loop import SyncerLoop
+from diloco.syncer.loopoptions import LoopOptions
 from diloco.syncer.metrics_http import MetricsUnavailable, serve_loop
 from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.resume import ResumeError, choose

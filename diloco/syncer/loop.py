@@ -40,23 +40,21 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 import zmq
 
-from diloco.security import ServerCurve
-from diloco.syncer.connguard import ConnCaps
 from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.core.work import CommitPart, EncodePart, Result
-from diloco.syncer.dataplane import DataPlane, default_threads
+from diloco.syncer.dataplane import DataPlane
 from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
 from diloco.syncer.links import LinkWatch
 from diloco.syncer.payloads import payload_source
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
-from diloco.syncer.listener import SYNCER_LIMITS, open_listener, user_id
+from diloco.syncer.listener import open_listener, user_id
+from diloco.syncer.loopoptions import LoopOptions
 from diloco.syncer.core.records import Outgoing, OutStream
 from diloco.syncer.store import CheckpointStore
 from diloco.wire import Bcast, Final, Limits, Pull, WireError, digest_seed, encode, open_message, seal
@@ -67,48 +65,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FINAL_FAILED = 1
 EXIT_INTERRUPTED = 130
-
-
-@dataclass(frozen=True)
-class LoopOptions:
-    """Socket and housekeeping settings of the loop.
-
-    Attributes:
-        bind: zmq endpoint to bind, e.g. ``tcp://0.0.0.0:5555``.
-        key: shared HMAC key (``b""``: unauthenticated).
-        limits: wire limits applied to every inbound message; its largest chunk or header also
-            sizes ``ZMQ_MAXMSGSIZE``, the pre-authentication cost (``listener.py``).
-        caps: connection caps and handshake timeout (``connguard.py``).
-        poll_ms: poll timeout when nothing is being streamed; bounds how late ``tick`` runs.
-        max_batch: messages handled per iteration before ``tick`` and sends.
-        sndhwm: per-peer send queue bound (messages); beyond it sends fail fast.
-        rcvhwm: per-peer receive queue bound (messages, each up to one part) zmq may hold for us
-            (1 stalls the PLAIN handshake of HMAC mode: measured, no message is ever delivered).
-        window: parts of one stream destination zmq may hold at once (``wire.pacing``).
-        data_threads: data-plane workers (``--data-threads``).
-        max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading;
-            at most one part per data-plane worker whatever this says.
-        linger_ms: how long close() may spend flushing SHUTDOWN at exit.
-        status_every_s: period of the one-line status log.
-        event_log: path of the JSON-lines commit log (None: none).
-        curve: CurveZMQ keys and admitted island keys (None: plain TCP, ``--insecure``).
-    """
-
-    bind: str = "tcp://0.0.0.0:5555"
-    key: bytes = b""
-    limits: Limits = SYNCER_LIMITS
-    caps: ConnCaps = field(default_factory=ConnCaps)
-    poll_ms: int = 20
-    max_batch: int = 64
-    sndhwm: int = 1000
-    rcvhwm: int = 2
-    window: int = 2
-    data_threads: int = field(default_factory=default_threads)
-    max_backlog_bytes: int = 128 << 20
-    linger_ms: int = 2000
-    status_every_s: float = 2.0
-    event_log: str | None = None
-    curve: ServerCurve | None = None
 
 
 class SyncerLoop:
