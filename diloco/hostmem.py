@@ -10,9 +10,11 @@ kinds of process want opposite things:
   mapped, faulted in page by page and unmapped again on that one thread, which capped a bare
   loopback ROUTER at 2.0 GB/s on the device host (5.3 GB/s from one sender and 7.9 from two
   with frames reused from the heap; ``scripts/probe_recv.py``, docs/PERFORMANCE.md). So blocks
-  up to ``SYNCER_MMAP_BYTES`` (64 MiB, above any frame) come from the heap and are reused, and
-  the heap is trimmed above ``SYNCER_TRIM_BYTES``, so freed frames keep at most that much
-  resident (:func:`tune_syncer_malloc`);
+  up to ``SYNCER_MMAP_BYTES`` (8 MiB: twice a frame) come from the heap and are reused, while
+  part-sized and larger buffers are still mapped and given back when freed; the heap is trimmed
+  above ``SYNCER_TRIM_BYTES`` and once per commit (``malloc_trim``, ``dataplane.py``), so freed
+  frames stay resident only between commits (:func:`tune_syncer_malloc`). 64 MiB read the same
+  speed but kept 0.28 x a 512 MiB model more resident (``bench_memory.py``);
 * an **island** runs a training loop whose parameter-sized temporaries (AdamW's
   ``exp_avg_sq.sqrt()``, ``grad * lr``, ...) must stay on the heap and be reused, never freshly
   mapped each step: ``ISLAND_MMAP_BYTES`` = 32 MiB (glibc's maximum on 64-bit) and
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
-SYNCER_MMAP_BYTES = 64 << 20
+SYNCER_MMAP_BYTES = 8 << 20
 SYNCER_TRIM_BYTES = 64 << 20
 ISLAND_MMAP_BYTES = 32 << 20
 ISLAND_TRIM_BYTES = 1 << 30
@@ -70,8 +72,8 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
 
 
 def tune_syncer_malloc() -> bool:
-    """The syncer's profile: received frames are reused from the heap, which is trimmed above 64 MiB
-    (see the module docstring)."""
+    """The syncer's profile: received frames are reused from the heap, larger buffers are mapped (see
+    the module docstring)."""
     return set_malloc_thresholds(SYNCER_MMAP_BYTES, SYNCER_TRIM_BYTES)
 
 

@@ -4,8 +4,8 @@
 
 One or more DEALER processes send 32 MiB messages of 8 frames of 4 MiB (the syncer's part shape)
 to a ROUTER in this process, which receives them zero-copy and drops them, as the syncer's loop
-does once a part is folded. Run once per threshold: 1 MiB (the syncer's setting,
-``diloco.hostmem.SYNCER_MMAP_BYTES``: every received frame is mapped and unmapped), 64 MiB (frames
+does once a part is folded. Run once per threshold: 1 MiB (every received frame is mapped and
+unmapped), 8 MiB (the syncer's setting, ``diloco.hostmem.SYNCER_MMAP_BYTES``) and 64 MiB (frames
 reused from the heap) and glibc's dynamic default. Each line: the threshold and the GB/s received.
 """
 
@@ -79,7 +79,7 @@ def main() -> None:
     if a.threshold is not None:
         print(f"mmap threshold {a.threshold}: {_run(a.threshold, n, a.islands):.2f} GB/s (islands {a.islands})")
         return
-    for t in (1 << 20, 64 << 20, -1):  # each in a fresh process: a threshold cannot be unset
+    for t in (1 << 20, 8 << 20, 64 << 20, -1):  # each in a fresh process: a threshold cannot be unset
         os.system(f"python3 {__file__} --mib {a.mib} --islands {a.islands} --threshold {t}")
 
 

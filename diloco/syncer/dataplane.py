@@ -50,6 +50,7 @@ import xxhash
 
 from diloco import quant
 from diloco.digest import tensor_digest
+from diloco.hostmem import trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
 from diloco.syncer.core.work import CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work
@@ -298,6 +299,10 @@ def run_work(work: Work, scratch: Scratch | None = None) -> Result:
         elif isinstance(work, InitPart):
             result.absmax = (init_part(work), 0.0)
         elif isinstance(work, CommitPart):
+            if work.part == 0:
+                # Frames come from the heap (``hostmem``): give back the pages of those freed since
+                # the last commit before this commit's peak (values + sum), once per commit.
+                trim_heap()
             result.payloads, result.absmax = commit_part(work, scratch)
         elif isinstance(work, DigestFragment):
             result.digest = tensor_digest(work.layout.flat_views(work.value))
