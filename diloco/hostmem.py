@@ -34,6 +34,7 @@ import os
 import platform
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -48,6 +49,8 @@ ISLAND_MMAP_BYTES = 32 << 20
 ISLAND_TRIM_BYTES = 1 << 30
 
 _island_done = False
+_malloc_trim: Any = None
+"""glibc's ``malloc_trim``, once looked up (:func:`trim_heap`)."""
 
 
 def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
@@ -90,14 +93,18 @@ def trim_heap() -> bool:
 
     For the end of a process's big phase (an island after its final cut): the raised trim
     threshold otherwise keeps every freed byte resident."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
+    global _malloc_trim
+    if _malloc_trim is None:
+        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+            return False
+        try:
+            # Looked up once: find_library runs ldconfig, and the syncer trims once per commit.
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            return False
+        fn.argtypes = [ctypes.c_size_t]
+        _malloc_trim = fn
+    _malloc_trim(0)
     return True
 
 

@@ -66,7 +66,7 @@ def main() -> int:
         if syncer.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"the syncer did not start; see {out}/syncer.log")
         time.sleep(0.1)
-    ctx = mp.get_context("fork")  # run_ranks forks the ranks; megatron is imported once, here
+    ctx = mp.get_context("fork")  # the islands are forked; each starts its ranks from its own forkserver
     procs = [ctx.Process(target=island, args=(i, tp, m.group(1), str(out))) for i, tp in enumerate((1, 2))]
     for proc in procs:
         proc.start()

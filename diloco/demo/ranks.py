@@ -9,13 +9,16 @@ rank, and turns any hang or crash into an exception naming the rank; no worker o
 Why a forkserver and not ``fork``: the caller (pytest, a benchmark, the demo) holds threads, and a
 child forked while another thread holds a lock (the heap's, logging's, torch's) can block on it
 forever, before it ever reaches the gloo rendezvous. The forkserver is single-threaded, so its
-children start clean. Each worker gets the caller's environment as it is at the call.
+children start clean. Each worker gets the caller's environment as it is at the call, and the
+caller's root logging level and format; a module that reads the environment *at import* sees the
+forkserver's (the one started first), since the worker's modules are imported before ``fn`` runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -29,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state"]
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.distributed"]
 """Modules the forkserver imports once, so that workers start without importing them (one missing
 is skipped by multiprocessing)."""
 
@@ -43,11 +47,15 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     env: dict[str, str],
+    log_setup: tuple[int, str | None],
 ) -> None:
     code = 0
     try:
         os.environ.clear()
         os.environ.update(env)
+        level, fmt = log_setup
+        if fmt is not None:
+            logging.basicConfig(level=level, format=fmt, force=True)
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(
@@ -85,13 +93,16 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts (the first call)
     env = dict(os.environ)
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)  # noqa: SLF001
+    log_setup = (root.level, fmt if root.handlers else None)
     procs: list[Any] = []
     conns: list[Any] = []
     for rank in range(world):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(rank, world, store.port, timeout_s, child_conn, fn, args, env),
+            args=(rank, world, store.port, timeout_s, child_conn, fn, args, env, log_setup),
             name=f"rank{rank}",
             daemon=True,
         )

@@ -263,9 +263,9 @@ class DataPath:
             return
         if not self._allocated:
             self.preallocate()
-        self._slotless.discard(f)
         pieces = self._mine[f]
         self._slots.take(f, pieces, [self._x._pieces[p].end - self._x._pieces[p].start for p in pieces])
+        self._slotless.discard(f)
 
     def install(self, f: int, mode: str, alpha: float = 0.0, fused: bool = True) -> None:
         """Write ``f``'s masters from what :meth:`stage` staged (the anchor holds the global).

@@ -29,6 +29,7 @@ PG_TIMEOUT = timedelta(seconds=60)
 
 
 def _worker(rank: int, env: dict[str, str], body: Callable[[int], list[str]], out_dir: str) -> None:
+    os.environ.clear()  # the caller's environment at the call (a forkserver child has the server's)
     os.environ.update(env)
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     torch.set_num_threads(1)
@@ -48,8 +49,9 @@ def run_ranks(world: int, body: Callable[[int], list[str]], out_dir: Path, *, st
     A rank that hangs past ``timeout_s`` is killed and reported as failed, so a
     deadlock turns into a test failure instead of a stuck suite.
     """
+    env = {**os.environ, **(env or {})}
     ctx = mp.get_context(start_method)
-    procs = [ctx.Process(target=_worker, args=(r, env or {}, body, str(out_dir)), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, env, body, str(out_dir)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -16,7 +16,7 @@ The budget is kept by counting, not by trusting every reader: each buffer counts
 :attr:`FragmentBook.live_bytes` until the last tensor over it dies, so a superseded value a
 BCAST stream or the checkpoint writer still reads counts too, and the next round opens only
 when its sum fits (``RoundBook.sum_fits``). Buffers are ``numpy`` arrays of their own (never
-pooled): above glibc's mmap threshold (64 MiB in the syncer, `hostmem.py`) each is its own mapping, given back to the OS when freed.
+pooled): above glibc's mmap threshold (8 MiB in the syncer, `hostmem.py`) each is its own mapping, given back to the OS when freed.
 """
 
 from __future__ import annotations

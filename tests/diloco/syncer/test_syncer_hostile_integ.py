@@ -169,8 +169,10 @@ def test_hostile_inputs_refused_and_syncer_keeps_serving(tmp_path) -> None:
         value[1], mom[1] = reference_fragment(value[1], mom[1], d, {0: 50, 1: 50}, order, 4096)
         for isl in (a2, b):
             assert isl.expect(Bcast, strict=False).header.version == 1
-            # Both islands reached --total-steps: one flush round per fragment, nothing left to merge.
-            for _ in range(P):
+        # Both islands reached --total-steps: one flush round per fragment, nothing left to merge; each
+        # opens once the previous one has every push (--max-gathering-rounds 1).
+        for _ in range(P):
+            for isl in (a2, b):
                 pull = isl.expect(Pull, strict=False).header
                 isl.send(push_header(isl, fragment=pull.fragment, round=pull.round, local_steps=0, tokens=0,
                                      base_version=1))

@@ -154,8 +154,8 @@ def test_replays_of_every_island_kind_are_dropped(tmp_path) -> None:
             pull = isl.expect(Pull, strict=False).header
             isl.send(push_header(isl, fragment=pull.fragment, round=pull.round, local_steps=0, tokens=0,
                                  base_version=0))
-        for isl in (s.a, s.b):
-            for _ in range(P):  # both reached --total-steps: one flush round per fragment
+        for _ in range(P):  # both reached --total-steps: one flush round per fragment, one after another
+            for isl in (s.a, s.b):
                 p = isl.expect(Pull, strict=False).header
                 isl.send(push_header(isl, fragment=p.fragment, round=p.round, local_steps=0, tokens=0,
                                      base_version=1 if p.fragment == 0 else 0))
