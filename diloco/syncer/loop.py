@@ -12,7 +12,8 @@ a round of several GB is folded, merged and encoded on the worker threads.
 Back-pressure: when the data plane holds more than ``max_backlog_bytes`` of
 received parts, the loop stops reading the socket until it drains (zmq then
 holds at most ``RCVHWM`` messages per island, and TCP throttles the senders), so
-memory stays bounded by the core, not by what islands send.
+memory stays bounded by the core, not by what islands send. Meanwhile it waits on
+the data plane's results, not on the socket it will not read.
 
 Checkpoints are written on a background thread (``ckptwriter.py``): a loop blocked for the
 minutes a large model takes would answer no heartbeat. The snapshot shares the state's tensors
