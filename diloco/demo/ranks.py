@@ -95,7 +95,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     env = dict(os.environ)
     root = logging.getLogger()
     fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)  # noqa: SLF001
-    log_setup = (root.level, fmt if root.handlers else None)
+    log_setup = (root.level, fmt)
     procs: list[Any] = []
     conns: list[Any] = []
     for rank in range(world):

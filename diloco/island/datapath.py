@@ -111,7 +111,6 @@ class DataPath:
         self._whole = [self._held_whole(f) for f in range(len(xfer._routes))]
         pinned = any(dev.is_accelerator(p.master) for p in pieces) and dev.pinning_available()
         self._slots = SnapshotSlots([p.master for p in pieces], slots, pinned, slot_device)
-        self._allocated = False
         self._slotless: set[int] = set()
         self._install_event: dict[int, object | None] = {}
         self._sent: dict[int, threading.Event] = {}
@@ -151,7 +150,6 @@ class DataPath:
         first push: pinned memory is slow to allocate and that must not land on a training
         step. Returns the bytes by kind (what the island logs)."""
         slots = self._slots.allocate(self.slot_nbytes())
-        self._allocated = True
         self._x.allocate_anchors()
         return {"anchors": self._x.anchor_nbytes(), **slots}
 
@@ -167,7 +165,6 @@ class DataPath:
         """Drop the snapshot slot and every anchor (after the final cut)."""
         self.release_all(0.0)
         self._slots.free()
-        self._allocated = False
         self._x.free_anchors()
 
     def receive_views(self, f: int, dtype: str, busy: bool = False) -> tuple[list[torch.Tensor] | None, int]:
@@ -261,7 +258,7 @@ class DataPath:
             self._slotless.add(f)
             self._release(f)
             return
-        if not self._allocated:
+        if not self._slots.allocated:
             self.preallocate()
         pieces = self._mine[f]
         self._slots.take(f, pieces, [self._x._pieces[p].end - self._x._pieces[p].start for p in pieces])

@@ -79,6 +79,11 @@ class SnapshotSlots:
             dev.free_host_buffer(self._block)
         self._block = None
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the block is allocated (between :meth:`allocate` and :meth:`free`)."""
+        return self._block is not None
+
     # ------------------------------------------------------------------ the table
     def free_for(self, f: int) -> bool:
         """Whether a snapshot of ``f`` may be taken now (a slot is free, or already ``f``'s)."""
