@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         log.error("--resume: checkpoint does not fit this configuration: %s", e)
         return EXIT_CONFIG
+    # The state adopted the values (and momenta) it needs. Holding the snapshot here would keep each
+    # restored value alive after its first commit supersedes it: counted against the fragment buffers'
+    # budget, so every later round would wait book.OVER_BUDGET_WAIT_S to open (and momenta read at
+    # --outer-momentum 0 would stay resident).
+    del snapshot
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
                           data_threads=args.data_threads, window=args.stream_window, curve=curve,
                           caps=caps)
