@@ -123,10 +123,15 @@ class _Sampler(threading.Thread):
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.peak_kib, self._halt = pid, 0, threading.Event()
+        self.timeline: list[tuple[float, int]] = []
+        """(wall time, VmRSS KiB) whenever RSS moved by 8 MiB or more (bounded by the run's length)."""
 
     def run(self) -> None:
         while not self._halt.is_set():
-            self.peak_kib = max(self.peak_kib, _status_kib(self.pid, "VmRSS"))
+            rss = _status_kib(self.pid, "VmRSS")
+            self.peak_kib = max(self.peak_kib, rss)
+            if not self.timeline or abs(rss - self.timeline[-1][1]) >= 8192:
+                self.timeline.append((time.time(), rss))
             time.sleep(0.05)
 
     def stop(self) -> int:
@@ -186,6 +191,9 @@ def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wir
                 raise RuntimeError(f"{name}: island {i} failed; its log ends:\n{tail}")
         syncer.wait(timeout=120)
         syncer_peak = sampler.stop()
+        (run / "syncer_rss.tsv").write_text("".join(
+            f"{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}\t{kib / 1024:.0f}\n"
+            for t, kib in sampler.timeline))
     finally:
         for p in [syncer]:
             if p.poll() is None:
@@ -267,6 +275,8 @@ def main() -> int:
     p.add_argument("--role", default="driver", choices=["driver", "island"], help=argparse.SUPPRESS)
     p.add_argument("--island", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--addr", default="", help=argparse.SUPPRESS)
+    p.add_argument("--keep", default="", help="keep every run's logs (and the syncer's RSS timeline, "
+                   "syncer_rss.tsv) under this new directory")
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--fragments", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--wire-dtype", default="float32", help=argparse.SUPPRESS)
@@ -279,7 +289,8 @@ def main() -> int:
     if args.smoke:
         args.model_mib, args.steps, args.part_mib, args.baselines = 16.0, 8, 1.0, 1
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         base = baseline(args, work)
         model = base["model_bytes"]
         base_peak = base["peak_kib"] * 1024

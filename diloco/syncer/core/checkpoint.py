@@ -41,12 +41,15 @@ def snapshot(config: SyncerConfig, book: FragmentBook, rounds: RoundBook, sessio
     for f in book.fragments:
         assert f.value is not None and f.layout is not None
         # No momentum buffer (momentum 0, or no commit yet): zeros that occupy no memory.
-        momentum = f.momentum if f.momentum is not None else zeros(f.layout.numel)
-        frags.append(FragmentSnapshot(f.version, f.schema, f.value, momentum))
+        if f.momentum is None:
+            frags.append(FragmentSnapshot(f.version, f.schema, f.value, zeros(f.layout.numel), momentum_is_zero=True))
+        else:
+            frags.append(FragmentSnapshot(f.version, f.schema, f.value, f.momentum))
     return Snapshot(
         fingerprint=book.fingerprint,
         n_fragments=book.n_fragments,
         fragments=tuple(frags),
+        order=write_order(rounds, book.n_fragments),
         next_round=rounds.next_commit,
         ledgers={i.island: i.ledger.to_json() for i in sessions.islands},
         hyper={
@@ -57,6 +60,18 @@ def snapshot(config: SyncerConfig, book: FragmentBook, rounds: RoundBook, sessio
             "key_bindings": sessions.gate.to_json(),
         },
     )
+
+
+def write_order(rounds: RoundBook, n_fragments: int) -> tuple[int, ...]:
+    """The order a checkpoint writes the fragments in: the one the next commit supersedes first.
+
+    A fragment the writer still holds keeps its superseded value alive after a commit (and, with
+    momentum, makes that commit write the momentum out of place): fragments of open rounds come
+    first, oldest round first, then the rest in the order the round clock reaches them."""
+    order = [r.fragment for r in rounds.in_order()]
+    nxt = (rounds.next_open - 1) % n_fragments  # the fragment of the next round to open
+    order += [(nxt + k) % n_fragments for k in range(n_fragments)]
+    return tuple(dict.fromkeys(order))
 
 
 def restore(snap: Snapshot, config: SyncerConfig, book: FragmentBook, rounds: RoundBook, sessions: Sessions) -> None:

@@ -249,6 +249,8 @@ class FragmentSnapshot:
     value: torch.Tensor
     momentum: torch.Tensor
     """Zeros (lazily mapped, no resident memory) for a fragment that has no momentum buffer."""
+    momentum_is_zero: bool = False
+    """``momentum`` is such zeros: the store writes a hole, not the bytes."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ class Snapshot:
         next_round: the first round not yet committed; resumes start there.
         ledgers: per island id, its ledger as a dict.
         hyper: outer hyper-parameters and weighting, for the record.
+        order: the order the writer writes the fragments in (every index once; empty: index order).
     """
 
     fingerprint: str
@@ -270,3 +273,4 @@ class Snapshot:
     next_round: int
     ledgers: dict[int, dict[str, int]]
     hyper: dict[str, Any]
+    order: tuple[int, ...] = ()
