@@ -51,7 +51,7 @@ import xxhash
 from diloco import quant
 from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
-from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, outer_step
+from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
 from diloco.syncer.core.work import CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work
 from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
@@ -70,7 +70,7 @@ COMMIT_BLOCK = BLOCK
 
 def fold_part(w: FoldPart, scratch: Scratch) -> None:
     """Fold one part, chunk by chunk while the chunk is in cache: verify its digest, check it is
-    finite (its largest magnitude bounds the sum: ``absmax[k] += w * max |d|``) and within the
+    finite (a bound of its largest magnitude bounds the sum: ``absmax[k] += w * max |d|``) and within the
     part's bounds (a part clipped by its norm is folded again with ``(scale - 1) * w``), then
     ``s = w * d`` for the part's first contribution or ``s = s + w * d``. A refused chunk may
     leave earlier chunks folded: the state then voids the whole attempt (the sum is dropped)."""
@@ -90,7 +90,8 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
         raw = memoryview(view.view(torch.uint8).numpy())
         if xxhash.xxh3_64_intdigest(raw, seed=opened.seed) != meta.chunks[c]:
             raise WireError(f"chunk {c} of {meta.name[:80]!r} fails its digest (corrupted or tampered)")
-        a = absmax(view)
+        # The robust bounds compare the true max |d| with their limit; otherwise a bound of it suffices.
+        a = absmax(view) if w.bound is not None else magnitude_bound(view)
         if a == math.inf:
             raise WireError(f"segment {meta.name[:80]!r} holds NaN or Inf")
         dmax = max(dmax, a)

@@ -49,6 +49,26 @@ def absmax(t: torch.Tensor) -> float:
     return max(-a, b)
 
 
+NORM_MARGIN = 1.01
+"""Covers the fp32 rounding of a chunk's sum of squares (at most about 1 % low for 2**18 positive terms)."""
+UNDERFLOW_SLACK = 1e-18
+"""Covers elements whose fp32 squares underflow (``|x| < 1e-19``)."""
+
+
+def magnitude_bound(t: torch.Tensor) -> float:
+    """An upper bound of ``max |t|`` in one fast pass; ``inf`` when any element is NaN or infinite.
+
+    For fp32: the chunk's L2 norm (``torch.dot``, about 5x faster than ``aminmax`` on a cache-hot
+    block) times :data:`NORM_MARGIN`, plus :data:`UNDERFLOW_SLACK`; NaN and Inf propagate into it. Squares that overflow on
+    finite elements fall back to :func:`absmax`, which tells them apart. Other dtypes: :func:`absmax`."""
+    if t.dtype != torch.float32 or t.numel() == 0:
+        return absmax(t)
+    sumsq = float(torch.dot(t, t))
+    if math.isfinite(sumsq):
+        return math.sqrt(sumsq) * NORM_MARGIN + UNDERFLOW_SLACK
+    return absmax(t)
+
+
 def fold_chunk(src: torch.Tensor, dst: torch.Tensor, weight: float, first: bool, scratch: Scratch) -> None:
     """``dst = w * src`` (``first``) or ``dst = dst + w * src``, over cache blocks. ``src`` is fp32 or
     bf16 (upcast first: a bf16 multiply would round to bf16), already checked finite."""
@@ -123,4 +143,4 @@ def step_bounds(smax: float, total: float, vmax: float, mmax: float, lr: float, 
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
-__all__ = ["BLOCK", "FLT_MAX", "Scratch", "absmax", "fold_chunk", "outer_step", "step_bounds"]
+__all__ = ["BLOCK", "FLT_MAX", "Scratch", "absmax", "fold_chunk", "magnitude_bound", "outer_step", "step_bounds"]

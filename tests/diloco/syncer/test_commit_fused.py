@@ -3,12 +3,14 @@ the value and the payload that the step followed by ``encode_payload`` would (``
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from diloco.outer import OuterHyper
 from diloco.syncer.dataplane import CommitPart, RoundSum, encode_part_payload, run_work
-from diloco.syncer.core.kernels import Scratch, outer_step
+from diloco.syncer.core.kernels import Scratch, absmax, magnitude_bound, outer_step
 from diloco.wire import FragmentLayout
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,3 +40,18 @@ def test_fused_commit_matches_step_then_encode(mu: float) -> None:
         assert got.metas == ref.metas and got.chunk_bytes == ref.chunk_bytes and got.nbytes == ref.nbytes
         assert [bytes(f) for f in got.frames] == [bytes(f) for f in ref.frames]
         assert res.absmax[0] == float(ref_sum[lo:hi].abs().max())
+
+
+def test_the_folds_magnitude_bound_is_above_max_abs_and_flags_nan_and_inf() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for scale in (1e-30, 1e-3, 1.0, 1e15):
+        t = torch.randn(1 << 18, generator=gen) * scale
+        t[123] = 40.0 * scale  # one element dominating the norm: the bound must still cover it
+        assert absmax(t) <= magnitude_bound(t) <= 1.02 * float(t.norm()) + 1e-18
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.zeros(1 << 18)
+        t[-1] = bad
+        assert magnitude_bound(t) == math.inf
+    huge = torch.full((1000,), 3e37)  # finite, but the squares overflow: the exact max comes back
+    assert magnitude_bound(huge) == pytest.approx(3e37)
+    assert magnitude_bound(torch.zeros(0)) == 0.0
