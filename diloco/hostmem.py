@@ -114,6 +114,33 @@ _FAULT_SLICE_ELEMS = 16 << 20
 """Elements per slice handed to one thread (64 MiB of fp32)."""
 
 
+def _host_threads(jobs: int) -> int:
+    """Threads for ``jobs`` independent slices: at most :data:`FAULT_IN_THREADS` and the CPUs this
+    process may run on."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(FAULT_IN_THREADS, cpus, jobs))
+
+
+def sub_in_parallel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a - b`` for flat host tensors of one length, by several threads over disjoint
+    slices of :data:`_FAULT_SLICE_ELEMS` (torch releases the GIL in each), each element computed
+    exactly as one ``torch.sub`` would. For gigabyte-sized background work (a snapshot slot's
+    progress correction) in a process whose torch runs one intra-op thread (torchrun's default)."""
+    n = out.numel()
+    if a.numel() != n or b.numel() != n:
+        raise ValueError(f"sub_in_parallel: lengths {a.numel()}, {b.numel()}, {n} differ")
+    bounds = [(lo, min(n, lo + _FAULT_SLICE_ELEMS)) for lo in range(0, n, _FAULT_SLICE_ELEMS)]
+    workers = _host_threads(len(bounds))
+    if workers == 1:
+        torch.sub(a, b, out=out)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="yeto-host-sub") as pool:
+        list(pool.map(lambda r: torch.sub(a[r[0]:r[1]], b[r[0]:r[1]], out=out[r[0]:r[1]]), bounds))
+
+
 def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
     """Zero freshly allocated host tensors with several threads, so their pages are faulted in
     (the kernel zeroes each page on first touch) in parallel rather than by one thread: a
@@ -121,11 +148,7 @@ def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
     (torch's fill releases the GIL); the tensors are zero and resident when this returns."""
     slices = [t.reshape(-1)[a : a + _FAULT_SLICE_ELEMS] for t in tensors
               for a in range(0, t.numel(), _FAULT_SLICE_ELEMS)]
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    workers = max(1, min(FAULT_IN_THREADS, cpus, len(slices)))
+    workers = _host_threads(len(slices))
     if workers == 1:
         for s in slices:
             s.zero_()

@@ -124,7 +124,10 @@ class StepRecord(BoundaryRecord):
     measures it (smoothed), in records that pushed or applied. An ``apply`` also carries
     ``commit_s``, the syncer's commit time of that version, and ``arrived_at``, the wall time
     its last part arrived (so its push record's ``time`` → ``arrived_at`` is the round's latency
-    as this island saw it: push up, the syncer's wait and commit, broadcast down). Readers ignore types they do not know."""
+    as this island saw it: push up, the syncer's wait and commit, broadcast down). A round value
+    staged in the background also carries ``staged_from`` (wall time its staging began on this
+    rank) and ``stage_s`` (how long staging took): it is installed at the first boundary after.
+    Readers ignore types they do not know."""
     loss: float | None
     """Training loss of this step, when the loop reports one."""
     island: int

@@ -101,6 +101,9 @@ class IslandSummary:
     commit_s_p50: float | None = None
     """The syncer's commit time of the applied versions (``apply`` events' ``commit_s``)."""
     commit_s_max: float | None = None
+    stage_s_p50: float | None = None
+    """This island's background staging of applied round values (``apply`` events' ``stage_s``)."""
+    stage_s_max: float | None = None
     link_up_mb_s: float | None = None
     """The link as the client last measured it (``link`` events): up and down MB/s, RTT ms."""
     link_down_mb_s: float | None = None
@@ -166,6 +169,7 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
     weighted = [e for e in pushes if (_event_int(e, "data_bytes") or 0) > 0 and not e.get("dropped")]
     lag_steps = [v for v in (_event_int(e, "lag_steps") for e in applies) if v is not None]
     commits = [float(e["commit_s"]) for e in applies if isinstance(e.get("commit_s"), (int, float)) and e["commit_s"] > 0]
+    stages = [float(e["stage_s"]) for e in applies if isinstance(e.get("stage_s"), (int, float))]
     links = [e for r in records for e in r.events if e["type"] == "link"]
     link = links[-1] if links else {}
     vlags = version_lags(records)
@@ -223,6 +227,8 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
         final_loss=losses[-1] if losses else None,
         commit_s_p50=_pct(commits, 50),
         commit_s_max=max(commits) if commits else None,
+        stage_s_p50=_pct(stages, 50),
+        stage_s_max=max(stages) if stages else None,
         link_up_mb_s=link["up_bytes_s"] / 1e6 if "up_bytes_s" in link else None,
         link_down_mb_s=link["down_bytes_s"] / 1e6 if "down_bytes_s" in link else None,
         link_rtt_ms=link["rtt_s"] * 1e3 if "rtt_s" in link else None,
@@ -298,6 +304,7 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("version lag p50 / max", [f"{_num(s.version_lag_p50, '{:g}')} / {_num(s.version_lag_max, '{}')}" for s in summaries]),
         ("syncer commit s p50 / max", [f"{_num(s.commit_s_p50, '{:.2f}')} / {_num(s.commit_s_max, '{:.2f}')}"
                                        for s in summaries]),
+        ("stage s p50 / max", [f"{_num(s.stage_s_p50, '{:.2f}')} / {_num(s.stage_s_max, '{:.2f}')}" for s in summaries]),
         ("link up / down MB/s", [f"{_num(s.link_up_mb_s, '{:.1f}')} / {_num(s.link_down_mb_s, '{:.1f}')}"
                                  for s in summaries]),
         ("link RTT ms", [_num(s.link_rtt_ms, "{:.1f}") for s in summaries]),

@@ -93,6 +93,7 @@ class Landings:
     client: SyncClient | None
     planner: Planner
     step: int
+    _stage_span: dict[int, tuple[float, float]]
 
     if TYPE_CHECKING:
         @property
@@ -112,11 +113,17 @@ class Landings:
             arrival = -1  # its install leaves f busy: nothing lands in the anchors after the final cut
         if landing.background:
             return self.bg.submit("stage", f"staging of fragment {f} version {value.version}",
-                                  functools.partial(self.data.stage, f, values, mode == "progress",
-                                                    self.cfg.transfer_timeout_s, arrival))
+                                  functools.partial(self._timed_stage, f, values, mode == "progress", arrival))
         self.data.stage_now(f, values, self.group, self.cfg.transfer_timeout_s, arrival)
         self._install(landing, f, mode)
         return 0
+
+    def _timed_stage(self, f: int, values: Tensors | None, progress: bool, arrival: int) -> int:
+        """Background: :meth:`DataPath.stage`, its span kept for the apply event (``stage_s``)."""
+        t0 = time.time()
+        handed = self.data.stage(f, values, progress, self.cfg.transfer_timeout_s, arrival)
+        self._stage_span[f] = (t0, time.time())
+        return handed
 
     def _install(self, landing: Landing, f: int, mode: str) -> None:
         """Step 2 of every install: the masters of ``f`` from its staged anchor (the caller
@@ -137,8 +144,12 @@ class Landings:
         else:
             # When its last part arrived, in wall time (the step log's clock): push → arrival is the round's latency.
             arrived = {"arrived_at": time.time() - (time.monotonic() - value.arrived)} if value.arrived else {}
+            # When this rank's background staging began and how long it took (the round's latency
+            # is arrival → staged → the next boundary).
+            span = self._stage_span.pop(f, None)
+            staged = {"staged_from": span[0], "stage_s": round(span[1] - span[0], 4)} if span else {}
             events.append({"type": "apply", "fragment": f, "version": value.version, "round": value.round, **extra,
-                           "lag_steps": lag, "commit_s": value.commit_us / 1e6, **arrived})
+                           "lag_steps": lag, "commit_s": value.commit_us / 1e6, **arrived, **staged})
 
     # ------------------------------------------------------------------ rounds (step boundary)
     def _install_all(self, orders: Orders, events: list[dict]) -> float:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from diloco.hostmem import sub_in_parallel
 from gloo_bridge import device as dev
 
 DEVICE_CHUNK_ELEMS = 16 << 20
@@ -172,7 +173,7 @@ class SnapshotSlots:
             work = self._views[p][off : off + n]
             g = global_of(p)[off : off + n]
             if work.device.type == "cpu":
-                torch.sub(g, work, out=work)
+                sub_in_parallel(g, work, work)  # gigabytes on the host: several threads, not torch's one
                 continue
             for a in range(0, n, DEVICE_CHUNK_ELEMS):
                 b = min(n, a + DEVICE_CHUNK_ELEMS)

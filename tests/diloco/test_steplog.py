@@ -46,7 +46,8 @@ HAND_LOG = [
                            "data_bytes": 1000, "local_steps": 2}]),
     rec(3, blocked_s=0.050, apply_s=0.030, wait_s=0.010, data_bytes_recv=2000, pushes=1, applies=1,
         versions=(1, 0), round=1, attempt=0,
-        events=[{"type": "apply", "fragment": 0, "version": 1, "round": 1, "data_bytes": 2000, "lag_steps": 1}]),
+        events=[{"type": "apply", "fragment": 0, "version": 1, "round": 1, "data_bytes": 2000, "lag_steps": 1,
+                 "staged_from": 100.0, "stage_s": 0.25}]),
     rec(4, step_s=2.0, blocked_s=0.020, export_s=0.010, wait_s=0.005, data_bytes_sent=3000, pushes=2, applies=1,
         versions=(1, 0), round=2, attempt=0, loss=2.5,
         events=[{"type": "push", "fragment": 1, "round": 2, "attempt": 0, "base_version": 0,
@@ -55,7 +56,8 @@ HAND_LOG = [
     # against base 0 means the push's anchor was 2 commits behind.
     rec(5, blocked_s=0.220, apply_s=0.100, wait_s=0.100, data_bytes_recv=4000, pushes=2, applies=2,
         versions=(1, 3), round=2, attempt=0, loss=2.4,
-        events=[{"type": "apply", "fragment": 1, "version": 3, "round": 2, "data_bytes": 4000, "lag_steps": 3}]),
+        events=[{"type": "apply", "fragment": 1, "version": 3, "round": 2, "data_bytes": 4000, "lag_steps": 3,
+                 "staged_from": 101.0, "stage_s": 0.75}]),
 ]
 
 
@@ -184,8 +186,9 @@ def test_summary_numbers(tmp_path: Path) -> None:
     assert s.lag_steps_p50 == approx(2.0) and s.lag_steps_max == 3
     assert s.version_lag_p50 == approx(1.0) and s.version_lag_max == 2
     assert s.final_loss == approx(2.4)
+    assert s.stage_s_p50 == approx(0.5) and s.stage_s_max == approx(0.75)
     table = format_table([s])
-    assert "sync share of step time" in table and "196.000" in table
+    assert "sync share of step time" in table and "196.000" in table and "0.50 / 0.75" in table
 
 
 def test_version_lag_uses_latest_attempt(tmp_path: Path) -> None:

@@ -79,6 +79,9 @@ def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:
         assert any(e["type"] == "final" for r in records for e in r.events)
         applies = [e for r in records for e in r.events if e["type"] == "apply"]
         assert applies and any(e["commit_s"] > 0 for e in applies)  # the syncer's commit time, per version
+        # Round values staged in the background say when staging began and how long it took.
+        staged = [e for e in applies if "stage_s" in e]
+        assert staged and all(e["stage_s"] >= 0 and e["staged_from"] > 0 for e in staged), applies
         links = [e for r in records for e in r.events if e["type"] == "link"]
         assert links and links[-1]["down_bytes_s"] > 0 and links[-1]["rtt_s"] > 0
 
