@@ -69,7 +69,7 @@ from diloco.hostmem import tune_island_malloc
 from diloco.island.background import Background
 from diloco.island.client import SyncClient, SyncError
 from diloco.island.datapath import DataPath
-from diloco.island.exchange import exchange_orders
+from diloco.island.exchange import Status, agree_status, exchange_orders
 from diloco.island.landing import Landings
 from diloco.island.lifecycle import StartFinish
 from diloco.island.orders import Orders
@@ -170,16 +170,20 @@ class Island(StartFinish, Landings):
         step_s = t0 - self._last_end
         self.step = step
         self.planner.stepped()
+        tb = time.monotonic()
+        self._agree_staged()
+        agree_s = time.monotonic() - tb
         orders = self._train_orders()
         tb = time.monotonic()
         orders = self._exchange(orders)
-        wait_s = time.monotonic() - tb
+        wait_s = agree_s + time.monotonic() - tb
         events: list[dict] = []
         apply_s, export_s = self._execute(orders, events)
         while orders.hold:
             # Synchronous rounds: more boundaries, no step in between, until this step's round is
             # installed (or the hold times out); every rank loops on the same orders.
             tb = time.monotonic()
+            self._agree_staged()
             orders = self._exchange(self._train_orders(wait_s=0.01))
             wait_s += time.monotonic() - tb
             more_apply_s, more_export_s = self._execute(orders, events)
@@ -212,6 +216,26 @@ class Island(StartFinish, Landings):
         self._stage_all(orders)
         return apply_s, self._push_all(orders, events)
 
+    def _agree_staged(self) -> None:
+        """Before the sync rank decides: while a staging is in flight (the planner's table, the
+        same on every rank), agree on which background jobs finished, so that a value staged
+        since the last boundary is installed at this one, not one step later
+        (``exchange.agree_status``: free on a one-rank island, one small all-reduce otherwise)."""
+        if not any(s.staging is not None and s.staging.seq > self._done_everywhere for s in self.planner.slots):
+            return
+        try:
+            status = agree_status(self.group, self.bg.done, self.bg.error is not None)
+        except RuntimeError as exc:  # gloo: a peer died (connection closed) or stopped answering
+            self._fail(f"the island's status exchange failed, a rank died or is stuck: {exc}")
+        self._take_status(status)
+
+    def _take_status(self, status: Status) -> None:
+        """Every rank: the agreed background state; a failure anywhere fails the island."""
+        self._done_everywhere = status.done_everywhere
+        if status.failed_rank >= 0:
+            own = self.bg.error
+            self._fail(f"a background transfer failed on rank {status.failed_rank}" + (f": {own}" if own else ""))
+
     def _exchange(self, orders: Orders | None) -> Orders:
         """Orders from the sync rank, and agreement on the background workers (collective)."""
         try:
@@ -219,10 +243,7 @@ class Island(StartFinish, Landings):
                                           self.bg.error is not None)
         except RuntimeError as exc:  # gloo: a peer died (connection closed) or stopped answering
             self._fail(f"the island's order exchange failed, a rank died or is stuck: {exc}")
-        self._done_everywhere = status.done_everywhere
-        if status.failed_rank >= 0:
-            own = self.bg.error
-            self._fail(f"a background transfer failed on rank {status.failed_rank}" + (f": {own}" if own else ""))
+        self._take_status(status)
         self._raise_if(out)
         return out
 

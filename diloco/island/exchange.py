@@ -58,6 +58,19 @@ def exchange_orders(orders: Orders | None, group: dist.ProcessGroup, src: int, d
     return out, status
 
 
+def agree_status(group: dist.ProcessGroup, done: int, failed: bool) -> Status:
+    """The background workers' state alone, agreed by every rank (one all-reduce of an
+    ``int64[2]``, nothing on a one-rank group): called before the sync rank decides, so that a
+    job finished since the last exchange counts at this boundary rather than the next. Every
+    rank must call it at the same boundaries (the caller's condition is one all ranks share)."""
+    me = group_rank(group)
+    if dist.get_world_size(group) == 1:
+        return Status(done_everywhere=done, failed_rank=me if failed else -1)
+    head = torch.tensor([-done, me + 1 if failed else 0], dtype=torch.int64)
+    dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+    return Status(done_everywhere=-int(head[0]), failed_rank=int(head[1]) - 1)
+
+
 def _payload(orders: Orders | None) -> bytes:
     """The JSON of the source's orders (empty when idle), bounded."""
     assert orders is not None

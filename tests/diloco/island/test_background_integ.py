@@ -137,6 +137,7 @@ def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_ra
     post: dict[int, list] = {}
     snaps: list[int] = []
     installs: dict[int, int] = {}
+    ready: list[int] = []
     try:
         for step in range(1, steps + 1):
             _train(model, step)
@@ -144,6 +145,9 @@ def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_ra
                 pre[step] = [p.detach().clone().tolist() for p in model.parameters()]
             before = dict(island._push_seq)
             versions = list(island.versions)
+            staging = island.planner.slots[0].staging
+            if staging is not None and staging.seq <= island.bg.done:
+                ready.append(step)  # fragment 0's value is staged on this rank before this boundary
             island.step_end(step)
             if record:
                 post[step] = [p.detach().clone().tolist() for p in model.parameters()]
@@ -157,7 +161,7 @@ def _island(rank: int, world: int, addr: str, steps: int, slow_s: float, kill_ra
     island.bg.drain(30)
     if island.client is not None:
         island.client.close(linger_s=1.0)
-    return {"pre": pre, "post": post, "snaps": snaps, "installs": installs, "error": None}
+    return {"pre": pre, "post": post, "snaps": snaps, "installs": installs, "ready": ready, "error": None}
 
 
 def test_push_in_flight_carries_the_snapshot_and_apply_keeps_progress() -> None:
@@ -198,6 +202,9 @@ def test_push_in_flight_carries_the_snapshot_and_apply_keeps_progress() -> None:
     # 2. The commit was installed keeping the steps taken since the snapshot.
     (t_inst,) = [int(t) for t, v in r["installs"].items() if v == 1]
     assert s1 < t_inst <= s2
+    # ... at the first boundary both ranks reached with the value staged (not one step later).
+    both_ready = sorted(set(r["ready"]) & set(results[1]["ready"]))
+    assert both_ready and t_inst <= both_ready[0], (t_inst, r["ready"], results[1]["ready"])
     for name, i in zip(F0, IDX):
         now = torch.tensor(r["pre"][str(t_inst)][i])
         assert torch.equal(torch.tensor(r["post"][str(t_inst)][i]), now + (g1[name] - snap[i])), name
