@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
-    p.add_argument("--io-threads", type=int, default=1,
-                   help="zmq I/O threads, each carrying some islands' connections (0: one per island, at most 4)")
+    p.add_argument("--io-threads", type=int, default=0,
+                   help="zmq I/O threads, each carrying some islands' connections (0, the default: one per island, "
+                        "at most 4)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections in all; one more is shut down at once and counted")
     p.add_argument("--max-connections-per-address", type=int, default=64,
@@ -279,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     options = LoopOptions(bind=args.bind, key=key, event_log=args.event_log, status_every_s=args.status_every_s,
                           data_threads=args.data_threads, window=args.stream_window, curve=curve,
                           caps=caps)
-    # One I/O thread by default: two (one per island) made the 2.7B device run's uplink 3x slower
-    # (docs/PERFORMANCE.md, session 7), though the downlink went faster.
+    # One I/O thread per island by default: at 2.7B two threads moved the broadcasts at 3.3-3.7 GB/s per
+    # island instead of 1.5 and the run took 133 s instead of 142 (docs/PERFORMANCE.md, session 9).
     io_threads = args.io_threads or max(1, min(4, config.islands))
     log.info("zmq I/O threads: %d (--io-threads)", io_threads)
     try:
