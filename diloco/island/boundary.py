@@ -140,9 +140,9 @@ class Island(StartFinish, Landings):
         """(fragment, round, attempt, local_steps, data_bytes, accepted) of background pushes
         handed to the client (appended by the worker, taken by the training thread)."""
         self._late_events: list[dict] = []
+        """Events learned after their boundary (a push the client dropped), for the next record."""
         self._stage_span: dict[int, tuple[float, float]] = {}
         """Fragment -> (start, end) wall time of its latest background staging, for its apply event."""
-        """Events learned after their boundary (a push the client dropped), for the next record."""
         self._steplog = StepLog(config.step_log_path(), island_scalars(config.writers(), config.log_interval)) \
             if self.is_sync else None
         self._last_end = time.monotonic()

@@ -50,7 +50,7 @@ def absmax(t: torch.Tensor) -> float:
 
 
 NORM_MARGIN = 1.01
-"""Covers the fp32 rounding of a chunk's sum of squares (at most about 1 % low for 2**18 positive terms)."""
+"""Headroom over the chunk's L2 norm (the fp32 sum of non-negative squares is never below the largest square)."""
 UNDERFLOW_SLACK = 1e-18
 """Covers elements whose fp32 squares underflow (``|x| < 1e-19``)."""
 

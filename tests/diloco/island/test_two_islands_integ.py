@@ -83,7 +83,8 @@ def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:
         staged = [e for e in applies if "stage_s" in e]
         assert staged and all(e["stage_s"] >= 0 and e["staged_from"] > 0 for e in staged), applies
         links = [e for r in records for e in r.events if e["type"] == "link"]
-        assert links and links[-1]["down_bytes_s"] > 0 and links[-1]["rtt_s"] > 0
+        # The down rate is measured per burst: the last record may fall in a window with none.
+        assert links and any(e["down_bytes_s"] > 0 for e in links) and links[-1]["rtt_s"] > 0, links
 
     # The islands' final parameters are the syncer's final values, byte for byte.
     ckpt = tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text().strip()
