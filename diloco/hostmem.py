@@ -28,11 +28,12 @@ Non-glibc systems: nothing happens (the functions return False).
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -114,14 +115,20 @@ _FAULT_SLICE_ELEMS = 16 << 20
 """Elements per slice handed to one thread (64 MiB of fp32)."""
 
 
-def _host_threads(jobs: int) -> int:
-    """Threads for ``jobs`` independent slices: at most :data:`FAULT_IN_THREADS` and the CPUs this
-    process may run on."""
+def _run_sliced(jobs: Sequence[Callable[[], object]], name: str) -> None:
+    """Run independent GIL-releasing slice jobs on up to :data:`FAULT_IN_THREADS` threads (never more
+    than the CPUs this process may run on), inline when one thread would do."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(FAULT_IN_THREADS, cpus, jobs))
+    workers = max(1, min(FAULT_IN_THREADS, cpus, len(jobs)))
+    if workers == 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
+        list(pool.map(lambda job: job(), jobs))
 
 
 def sub_in_parallel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -132,13 +139,9 @@ def sub_in_parallel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None
     n = out.numel()
     if a.numel() != n or b.numel() != n:
         raise ValueError(f"sub_in_parallel: lengths {a.numel()}, {b.numel()}, {n} differ")
-    bounds = [(lo, min(n, lo + _FAULT_SLICE_ELEMS)) for lo in range(0, n, _FAULT_SLICE_ELEMS)]
-    workers = _host_threads(len(bounds))
-    if workers == 1:
-        torch.sub(a, b, out=out)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="yeto-host-sub") as pool:
-        list(pool.map(lambda r: torch.sub(a[r[0]:r[1]], b[r[0]:r[1]], out=out[r[0]:r[1]]), bounds))
+    e = _FAULT_SLICE_ELEMS
+    _run_sliced([functools.partial(torch.sub, a[lo:lo + e], b[lo:lo + e], out=out[lo:lo + e])
+                 for lo in range(0, n, e)], "yeto-host-sub")
 
 
 def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
@@ -148,11 +151,5 @@ def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
     (torch's fill releases the GIL); the tensors are zero and resident when this returns."""
     slices = [t.reshape(-1)[a : a + _FAULT_SLICE_ELEMS] for t in tensors
               for a in range(0, t.numel(), _FAULT_SLICE_ELEMS)]
-    workers = _host_threads(len(slices))
-    if workers == 1:
-        for s in slices:
-            s.zero_()
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="yeto-fault-in") as pool:
-        list(pool.map(torch.Tensor.zero_, slices))
+    _run_sliced([s.zero_ for s in slices], "yeto-fault-in")
 

@@ -133,18 +133,17 @@ class CheckpointStore:
         meta = [{"version": fs.version, "schema": [[n, d, list(s)] for n, d, s in fs.schema]} for fs in frags]
         numels = [int(fs.value.numel()) for fs in frags]
         sizes = [(str(i), n) for i, n in enumerate(numels)]
-        checksums: dict[str, list[str]] = {"values": [], "momentum": []}
-        # Both files are written side by side, one fragment at a time: a fragment's tensors are
-        # let go (``on_written``) once on disk and checksummed, not when the whole checkpoint is.
         order = list(snap.order) or list(range(len(frags)))
         if sorted(order) != list(range(len(frags))):
             raise ValueError(f"checkpoint write order {order[:8]} is not a permutation of {len(frags)} fragments")
         header = _safetensors_header(sizes)
         offsets = [len(header) + 4 * sum(numels[:i]) for i in range(len(numels))]
         end = len(header) + 4 * sum(numels)
-        sums: dict[str, list[str]] = {"values": [""] * len(frags), "momentum": [""] * len(frags)}
-        # Fragments are written in ``order`` (the one the next commit supersedes first), each at its
-        # place in the files; zero momenta are holes (a sparse file reads as zeros), not written bytes.
+        checksums: dict[str, list[str]] = {"values": [""] * len(frags), "momentum": [""] * len(frags)}
+        # Both files are written side by side, one fragment at a time, in ``order`` (the one the next
+        # commit supersedes first), each at its place: a fragment's tensors are let go (``on_written``)
+        # once on disk and checksummed, not when the whole checkpoint is. Zero momenta are holes (a
+        # sparse file reads as zeros), not written bytes.
         with open(tmp / "values.safetensors", "wb") as fv, open(tmp / "momentum.safetensors", "wb") as fm:
             fv.write(header)
             fm.write(header)
@@ -155,8 +154,8 @@ class CheckpointStore:
                 if not fs.momentum_is_zero:
                     fm.seek(offsets[idx])
                     _write_tensor(fm, fs.momentum)
-                sums["values"][idx] = checksum(fs.value)
-                sums["momentum"][idx] = checksum(fs.momentum)
+                checksums["values"][idx] = checksum(fs.value)
+                checksums["momentum"][idx] = checksum(fs.momentum)
                 if fragments is not None:
                     fragments[idx] = None  # type: ignore[call-overload]
                 del fs
@@ -164,7 +163,6 @@ class CheckpointStore:
                     on_written(idx)
             fv.truncate(end)
             fm.truncate(end)
-        checksums["values"], checksums["momentum"] = sums["values"], sums["momentum"]
         manifest = {
             "checksums": checksums,
             "settings": settings_of(snap.fingerprint, numels, snap.hyper),

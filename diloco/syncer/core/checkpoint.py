@@ -41,10 +41,9 @@ def snapshot(config: SyncerConfig, book: FragmentBook, rounds: RoundBook, sessio
     for f in book.fragments:
         assert f.value is not None and f.layout is not None
         # No momentum buffer (momentum 0, or no commit yet): zeros that occupy no memory.
-        if f.momentum is None:
-            frags.append(FragmentSnapshot(f.version, f.schema, f.value, zeros(f.layout.numel), momentum_is_zero=True))
-        else:
-            frags.append(FragmentSnapshot(f.version, f.schema, f.value, f.momentum))
+        zero = f.momentum is None
+        frags.append(FragmentSnapshot(f.version, f.schema, f.value, zeros(f.layout.numel) if zero else f.momentum,
+                                      momentum_is_zero=zero))
     return Snapshot(
         fingerprint=book.fingerprint,
         n_fragments=book.n_fragments,
