@@ -153,3 +153,46 @@ def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
               for a in range(0, t.numel(), _FAULT_SLICE_ELEMS)]
     _run_sliced([s.zero_ for s in slices], "yeto-fault-in")
 
+
+
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_HUGE = 1 << 21
+_PAGE = 4096
+HOST_ADVICE = os.environ.get("YETO_TEST_HOST_ADVICE", "") or "huge,populate"
+"""Test hook: which of :func:`advise_huge` / :func:`populate` run (``huge``, ``populate``, both
+comma-separated, or ``none``), to measure each against a first touch page by page."""
+_madvise: Any = None
+
+
+def _advise(t: torch.Tensor, advice: int, align: int) -> bool:
+    """``madvise`` over the ``align``-aligned inside of ``t``'s bytes; False when it cannot run."""
+    global _madvise
+    if _madvise is None:
+        if platform.system() != "Linux":
+            return False
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        except (OSError, AttributeError):
+            return False
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise = fn
+    addr = t.data_ptr()
+    lo = (addr + align - 1) & ~(align - 1)
+    hi = (addr + t.numel() * t.element_size()) & ~(align - 1)
+    return hi > lo and _madvise(lo, hi - lo, advice) == 0
+
+
+def advise_huge(t: torch.Tensor) -> bool:
+    """Ask for transparent huge pages under a large fresh host buffer (cheap: one syscall, no
+    byte touched): its first touch then faults 2 MiB at a time instead of 4 KiB. True when the
+    kernel took the advice (THP ``madvise`` or ``always``); the buffer works the same either way."""
+    return "huge" in HOST_ADVICE and _advise(t, MADV_HUGEPAGE, _HUGE)
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Fault ``t``'s whole pages in with one syscall (``MADV_POPULATE_WRITE``), for the worker
+    about to write them: the kernel fills the page tables in a batch instead of one trap per page.
+    Grows with bytes: never on a latency-bound thread. False when unsupported (older kernels);
+    the pages then fault in as they are written."""
+    return "populate" in HOST_ADVICE and _advise(t, MADV_POPULATE_WRITE, _PAGE)

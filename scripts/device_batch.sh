@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
 # Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
 # PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
@@ -22,6 +22,15 @@ for job in "$@"; do
     gputest) install; (cd "$REPO" && python3 -m pytest -q -m gpu -p no:cacheprovider tests/diloco/island/test_slots.py \
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
+    init) install
+       for v in ${INIT_VARIANTS:-huge+populate:1:8:4}; do  # host advice (a+b), backlog parts, part MiB, data threads
+         IFS=: read -r adv parts mib threads <<<"$v"
+         YETO_TEST_HOST_ADVICE=${adv//+/,} YETO_TEST_BACKLOG_PARTS=$parts PYTHONPATH=$REPO timeout 300 python3 \
+           "$REPO/scripts/probe_init.py" --gib 2.5 --syncer-args "--part-mib $mib --data-threads $threads" \
+           ${SPY:+--spy "$WORKDIR/spy_${v//[:+]/_}"} 2>&1 \
+           | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
+         [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//[:+]/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
+       done ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
     *) install

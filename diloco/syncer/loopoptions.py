@@ -29,7 +29,7 @@ class LoopOptions:
         window: parts of one stream destination zmq may hold at once (``wire.pacing``).
         data_threads: data-plane workers (``--data-threads``).
         max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading;
-            at most one part per data-plane worker whatever this says.
+            at most ``loop.BACKLOG_PARTS`` parts per data-plane worker whatever this says.
         linger_ms: how long close() may spend flushing SHUTDOWN at exit.
         status_every_s: period of the one-line status log.
         event_log: path of the JSON-lines commit log (None: none).

@@ -1,0 +1,154 @@
+"""INIT throughput of one island into a real syncer, and where its CPU goes (device probe).
+
+    python scripts/probe_init.py [--gib 2.5] [--fragments 4] [--window 2] [--syncer-args "..."]
+
+A real ``yeto-syncer`` (HMAC mode, one island) and one real ``SyncClient`` in this process
+streaming ``--fragments`` INIT fragments of ``--gib`` GiB each, two in flight, as an island's
+start-up does (``island/lifecycle.py``), claiming their digests in HELLO as a real island does (the
+syncer then holds the island's values: no cut comes back). ``--window`` overrides the client's stream window
+(``island.outbox.WINDOW``, parts in zmq's hands) for this run only. Prints INIT GB/s (bytes over
+first send to the last fragment released by zmq, and to the initial cut received) and the CPU
+each thread of the syncer and of this process used during INIT, as a share of one core, so a
+saturated thread shows. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from diloco import wire  # noqa: E402
+from diloco.config import IslandConfig  # noqa: E402
+from diloco.digest import tensor_digest  # noqa: E402
+from diloco.island import client as client_mod  # noqa: E402
+from diloco.island.client import SyncClient  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, tuple[str, float]]:
+    """tid -> (thread name, CPU seconds so far) of one process."""
+    out = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            raw = (t / "stat").read_text()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2 :].split()
+        out[t.name] = (name, (int(fields[11]) + int(fields[12])) / TICK)
+    return out
+
+
+def busy(before: dict, after: dict, seconds: float) -> list[str]:
+    """Threads that used more than 5 % of a core between two samples, busiest first."""
+    rows = []
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        if used > 0.05 * seconds:
+            rows.append((used / seconds, f"{name}/{tid} {100 * used / seconds:.0f}%"))
+    return [r for _, r in sorted(rows, reverse=True)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=2.5)
+    ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--window", type=int, default=0, help="client stream window (0: the code's WINDOW)")
+    ap.add_argument("--syncer-args", default="")
+    ap.add_argument("--spy", type=Path, default=None,
+                    help="record py-spy stacks (native, idle included) of the syncer and of this process "
+                         "during INIT into this folder: syncer.txt, island.txt, syncer_gil.txt")
+    ap.add_argument("--no-claims", action="store_true",
+                    help="claim nothing in HELLO: the syncer sends the cut back while INIT streams")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    if a.window:
+        client_mod.WINDOW = a.window  # type: ignore[attr-defined]
+    per = int(a.gib * 2**30 / 4) // a.tensors
+    layouts, values = [], []
+    for f in range(a.fragments):
+        names = [f"f{f}.t{i}" for i in range(a.tensors)]
+        layouts.append(wire.FragmentLayout.of([(n, (per,)) for n in names]))
+        values.append([(n, torch.full((per,), float(f + 1))) for n in names])
+    nbytes = a.fragments * a.tensors * per * 4
+    tmp = Path(tempfile.mkdtemp(prefix="probe_init_"))
+    key = b"probe-init-key"
+    env = dict(os.environ, PYTHONPATH=str(REPO), YETO_SYNC_KEY=key.decode())
+    cmd = [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:0", "--islands", "1",
+           "--sync-every", "1", "--total-steps", "1", "--checkpoint-every", "0", "--join-timeout-s", "0",
+           "--dead-after-s", "600", "--final-timeout-s", "60", *a.syncer_args.split()]
+    log_f = open(tmp / "syncer.log", "w")
+    syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"bound (tcp://\S+)", (tmp / "syncer.log").read_text())):
+            if syncer.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit((tmp / "syncer.log").read_text())
+            time.sleep(0.05)
+        client = SyncClient(IslandConfig(sync_addr=m.group(1), island_id=0, key=key, sync_timeout_s=120.0,
+                                         send_queue=4), "probe-init", layouts,
+                            claims=None if a.no_claims else [tensor_digest(v) for v in values])
+        client.wait_welcome(60)
+        spies = []
+        if a.spy is not None:
+            a.spy.mkdir(parents=True, exist_ok=True)
+            for name, pid, extra in (("syncer", syncer.pid, ["--idle"]), ("island", os.getpid(), ["--idle"]),
+                                     ("syncer_gil", syncer.pid, ["--gil"])):
+                spies.append(subprocess.Popen(["py-spy", "record", "--native", "--threads", "--rate", "250",
+                                               "--duration", "2", "--format", "raw", "--pid", str(pid),
+                                               "--output", str(a.spy / f"{name}.txt"), *extra],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(0.5)  # py-spy attaches
+        s0, c0 = thread_cpu(syncer.pid), thread_cpu(os.getpid())
+        t0 = time.monotonic()
+        inflight: list = []
+        for f in range(a.fragments):
+            while len(inflight) >= 2:
+                if not inflight.pop(0).wait(120):
+                    raise SystemExit("INIT send timed out")
+            inflight.append(client.send_init(f, values[f]))
+        for ev in inflight:
+            if not ev.wait(120):
+                raise SystemExit("INIT send timed out")
+        sent_s = time.monotonic() - t0
+        s1, c1 = thread_cpu(syncer.pid), thread_cpu(os.getpid())
+        cut = set(range(a.fragments)) if not a.no_claims else set()  # claimed: HELD, nothing comes back
+        while len(cut) < a.fragments and time.monotonic() - t0 < 300:
+            if client.wait_bcast(0.01):
+                cut |= {b.fragment for b in client.take_bcasts()}
+        cut_s = time.monotonic() - t0
+        print(f"INIT {nbytes / 2**30:.2f} GiB in {a.fragments} fragments, window {client_mod.WINDOW}, "
+              f"syncer {a.syncer_args or '(defaults)'}: sent {sent_s:.2f}s ({nbytes / sent_s / 1e9:.2f} GB/s), "
+              f"cut at {cut_s:.2f}s")
+        print("  syncer threads during INIT:", ", ".join(busy(s0, s1, sent_s)))
+        print("  island threads during INIT:", ", ".join(busy(c0, c1, sent_s)))
+        client.close()
+        for spy in spies:
+            spy.wait(timeout=60)
+        print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
+                          "cut_s": round(cut_s, 3), "window": client_mod.WINDOW, "syncer_args": a.syncer_args,
+                          "gib": a.gib, "fragments": a.fragments}))
+        return 0
+    finally:
+        syncer.kill()
+        syncer.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
