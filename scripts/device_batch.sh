@@ -23,13 +23,13 @@ for job in "$@"; do
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
     init) install
-       for v in ${INIT_VARIANTS:-huge+populate:1:8:4}; do  # host advice (a+b), backlog parts, part MiB, data threads
-         IFS=: read -r adv parts mib threads <<<"$v"
-         YETO_TEST_HOST_ADVICE=${adv//+/,} YETO_TEST_BACKLOG_PARTS=$parts PYTHONPATH=$REPO timeout 300 python3 \
+       for v in ${INIT_VARIANTS:-8:4}; do  # part MiB : data threads
+         IFS=: read -r mib threads <<<"$v"
+         PYTHONPATH=$REPO timeout 300 python3 \
            "$REPO/scripts/probe_init.py" --gib 2.5 --syncer-args "--part-mib $mib --data-threads $threads" \
-           ${SPY:+--spy "$WORKDIR/spy_${v//[:+]/_}"} 2>&1 \
+           ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} 2>&1 \
            | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
-         [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//[:+]/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
+         [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
        done ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;

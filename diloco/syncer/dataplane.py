@@ -50,7 +50,7 @@ import xxhash
 
 from diloco import quant
 from diloco.digest import tensor_digest
-from diloco.hostmem import populate, trim_heap
+from diloco.hostmem import trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
 from diloco.syncer.core.work import CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work
@@ -151,11 +151,9 @@ def _segment_starts(opened: Opened, lo: int) -> list[int]:
 
 def init_part(w: InitPart) -> float:
     """Copy a verified INIT part into the value; returns a bound of its ``max |value|``
-    (``kernels.magnitude_bound``: ``inf`` when it holds NaN or Inf). The part's range of the
-    fresh value is faulted in first, in one syscall (``hostmem.populate``)."""
+    (``kernels.magnitude_bound``: ``inf`` when it holds NaN or Inf)."""
     starts = _segment_starts(w.opened, w.lo)
     hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
-    populate(w.value[w.lo:hi])
     dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
     w.opened.copy_into(dests, parallel=False)
     vmax = max((magnitude_bound(w.value[a : min(hi, a + BLOCK)]) for a in range(w.lo, hi, BLOCK)), default=0.0)
