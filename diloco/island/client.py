@@ -44,7 +44,7 @@ from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
 from diloco.protocol import session
 from diloco.security import secure_client
-from diloco.wire.pacing import Pacer, send_tracked, window_for
+from diloco.wire.pacing import Pacer, send_tracked
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,6 @@ class SyncClient:
             pacer.add(b"", out.stream)
             self._streams.append(out)
         before = {id(o.stream): (o.stream.data_bytes, o.stream.control_bytes) for o in self._streams if o.stream}
-        pacer.window = window_for(self.liveness.up.rate, 4 * p.part_elems, WINDOW)
         pacer.pump()
         still = []
         for out in self._streams:

@@ -188,10 +188,8 @@ class Outbox:
             if made[0] == k and made[2] is not None:
                 self.ring.hold(made[2], tracker)  # not handed out again until zmq released this part
 
-        ring_backed = isinstance(out.tensors, DeltaSource) and not (
-            isinstance(out.header, wire.Push) and self._feedback is not None)
         return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}",  # type: ignore[union-attr]
-                      on_handed=handed, max_inflight=self.ring.size if ring_backed else 0)
+                      on_handed=handed)
 
     def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
         """Frames of one message of this connection: session nonce and the next sequence number,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,24 +26,6 @@ from typing import Any
 import zmq
 
 log = logging.getLogger(__name__)
-
-PACE_S = 0.010
-"""Seconds of data at the link's measured rate that :func:`window_for` keeps in zmq's hands."""
-MAX_WINDOW = 8
-"""Most parts :func:`window_for` lets zmq hold for one destination."""
-
-
-def window_for(rate_bytes_s: float, part_bytes: int, base: int) -> int:
-    """Parts to keep in flight to one destination: ``base``, or as many as cover :data:`PACE_S`
-    of data at the measured rate (at most :data:`MAX_WINDOW`). A sender wakes about once a
-    millisecond to top its window up, and a fast link drains ``base`` parts in less: on loopback
-    at 5 GB/s two 8 MiB parts last 3 ms, and the link idled while parts were made and trackers
-    noticed (INIT at 2.0-2.7 GB/s on the device host). A heartbeat waits behind at most
-    ``max(base parts, PACE_S)`` of data, so a slow link keeps ``base``."""
-    if rate_bytes_s <= 0 or part_bytes <= 0:
-        return base
-    return max(base, min(MAX_WINDOW, math.ceil(rate_bytes_s * PACE_S / part_bytes)))
-
 
 PartSource = Callable[[int], "list[Any] | None"]
 """Frames of part ``k`` (header sealed), or None while the payload is not ready yet."""
@@ -74,9 +55,6 @@ class Stream:
     then: list[list[Any] | Callable[[], list[Any]]] = field(default_factory=list)
     """Control messages that must follow this stream (sent right after its last part): frames,
     or a callable sealing them at that moment (so sequence numbers follow the send order)."""
-    max_inflight: int = 0
-    """Most parts of this stream zmq may hold while it sends, below the pacer's window (0: the
-    window alone): a stream whose parts are built in a ring of reused buffers sets the ring size."""
     on_handed: Callable[[int, Any], None] | None = None
     """Called with ``(k, tracker)`` once part ``k`` was handed to zmq: the sender of a part built
     in a reused buffer learns when zmq lets go of it (``tracker.done``)."""
@@ -168,7 +146,7 @@ class Pacer:
         for dest in list(self._streams):
             queue = self._streams[dest]
             inflight = self._inflight.setdefault(dest, [])
-            while queue and len(inflight) < min(self.window, queue[0].max_inflight or self.window):
+            while queue and len(inflight) < self.window:
                 stream = queue[0]
                 frames = stream.frames_of(stream.next_part)
                 if frames is None:

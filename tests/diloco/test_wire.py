@@ -401,14 +401,3 @@ def test_copy_into_upcasts_bf16_into_fp32_exactly() -> None:
         odd.copy_into([untouched])
     assert bool((untouched == 7.0).all())
     assert torch.equal(odd.tensors()[0][1].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
-
-
-def test_the_stream_window_covers_ten_milliseconds_of_a_fast_link_and_keeps_its_base_on_a_slow_one() -> None:
-    from diloco.wire.pacing import MAX_WINDOW, window_for
-
-    part = 8 << 20
-    assert window_for(0.0, part, 2) == 2  # nothing measured yet
-    assert window_for(10e6, part, 2) == 2  # 10 MB/s: a heartbeat waits behind two parts at most
-    assert window_for(5e9, part, 2) == 6  # 5 GB/s: 50 MB in flight
-    assert window_for(100e9, part, 2) == MAX_WINDOW
-    assert window_for(5e9, 1 << 20, 3) == MAX_WINDOW and window_for(1e9, part, 3) == 3

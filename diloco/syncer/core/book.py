@@ -9,7 +9,7 @@ Every buffer that grows with the model is one of three kinds, each with a budget
   zero (lazily mapped pages) by the first commit that needs it and updated in place;
 * ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments.
 
-Beyond these, only parts: received parts held for the data plane (one per worker, plus zmq's
+Beyond these, only parts: received parts held for the data plane (two per worker, plus zmq's
 ``RCVHWM`` per island) and a few bf16 parts per stream encoded on demand (``payloads.py``).
 
 The budget is kept by counting, not by trusting every reader: each buffer counts in
@@ -217,7 +217,7 @@ class FragmentBook:
         self._logged = True
         b = self.budget()
         log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d); "
-                 "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 1 per data-plane worker held "
+                 "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 2 per data-plane worker held "
                  "at once)", b["values"] / 2**20, b["momentum"] / 2**20,
                  "" if b["momentum"] else " (--outer-momentum 0: none)", b["sums"] / 2**20,
                  self.config.max_open_rounds, sum(b.values()) / 2**20, self.config.part_elems * 4 / 2**20)
