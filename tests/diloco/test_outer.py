@@ -21,7 +21,7 @@ from diloco.wire import Bcast, FragmentLayout, Push, decode, encode, open_messag
 
 pytestmark = pytest.mark.timeout(120)
 
-PART = 3 * COMMIT_BLOCK + 3 * 4096  # every part spans four commit blocks, the last one ragged
+PART = 49 * 4096  # 200704 elements: every part spans commit blocks (COMMIT_BLOCK is smaller), the last one ragged
 SCHEMA = [("w", (3, 200_001)), ("b", (5,)), ("v", (7,))]  # 600015 elements: 3 parts, the last short
 LAYOUT = FragmentLayout.of(SCHEMA)
 N_PARTS = LAYOUT.n_parts(PART)
