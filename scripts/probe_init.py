@@ -9,7 +9,8 @@ syncer then holds the island's values: no cut comes back). ``--window`` override
 (``island.outbox.WINDOW``, parts in zmq's hands) for this run only. Prints INIT GB/s (bytes over
 first send to the last fragment released by zmq, and to the initial cut received) and the CPU
 each thread of the syncer and of this process used during INIT, as a share of one core, so a
-saturated thread shows. The last line is one JSON object.
+saturated thread shows. The last line is one JSON object (``initialised``: fragments the syncer
+logged as initialised, which must be all of them).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--window", type=int, default=0, help="client stream window (0: the code's WINDOW)")
     ap.add_argument("--syncer-args", default="")
+    ap.add_argument("--smoke", action="store_true", help="two fragments of 8 MiB: checks it runs (the suite)")
     ap.add_argument("--spy", type=Path, default=None,
                     help="record py-spy stacks (native, idle included) of the syncer and of this process "
                          "during INIT into this folder: syncer.txt, island.txt, syncer_gil.txt")
@@ -78,6 +80,8 @@ def main() -> int:
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
+    if a.smoke:
+        a.gib, a.fragments, a.tensors = 1 / 128, 2, 3
     if a.window:
         client_mod.WINDOW = a.window  # type: ignore[attr-defined]
     per = int(a.gib * 2**30 / 4) // a.tensors
@@ -133,6 +137,11 @@ def main() -> int:
             if client.wait_bcast(0.01):
                 cut |= {b.fragment for b in client.take_bcasts()}
         cut_s = time.monotonic() - t0
+        while time.monotonic() - t0 < 120:  # the syncer verified and holds every fragment
+            initialised = (tmp / "syncer.log").read_text().count("initialised by island 0")
+            if initialised >= a.fragments:
+                break
+            time.sleep(0.05)
         print(f"INIT {nbytes / 2**30:.2f} GiB in {a.fragments} fragments, window {client_mod.WINDOW}, "
               f"syncer {a.syncer_args or '(defaults)'}: sent {sent_s:.2f}s ({nbytes / sent_s / 1e9:.2f} GB/s), "
               f"cut at {cut_s:.2f}s")
@@ -142,7 +151,7 @@ def main() -> int:
         for spy in spies:
             spy.wait(timeout=60)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
-                          "cut_s": round(cut_s, 3), "window": client_mod.WINDOW, "syncer_args": a.syncer_args,
+                          "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW, "syncer_args": a.syncer_args,
                           "gib": a.gib, "fragments": a.fragments}))
         return 0
     finally:

@@ -41,3 +41,14 @@ def test_bench_scale_smoke() -> None:
     for key in ("round_vs_wire", "init_vs_wire", "syncer_rss_over_state", "merge_gbps_vs_memcpy", "digest_gbps",
                 "digest_vs_xxh3"):
         assert math.isfinite(figures[key]) and figures[key] > 0, key
+
+
+def test_probe_init_smoke() -> None:
+    """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
+    into a real syncer, which verifies and holds each one."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "probe_init.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=280, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["initialised"] == figures["fragments"] == 2
+    assert math.isfinite(figures["init_gbps"]) and figures["init_gbps"] > 0
