@@ -6,7 +6,7 @@ A real ``yeto-syncer`` (HMAC mode, one island) and one real ``SyncClient`` in th
 streaming ``--fragments`` INIT fragments of ``--gib`` GiB each, two in flight, as an island's
 start-up does (``island/lifecycle.py``), claiming their digests in HELLO as a real island does (the
 syncer then holds the island's values: no cut comes back). ``--window`` overrides the client's stream window
-(``island.outbox.WINDOW``, parts in zmq's hands) for this run only. Prints INIT GB/s (bytes over
+(``island.client.WINDOW``: parts of INIT in zmq's hands) for this run only. Prints INIT GB/s (bytes over
 first send to the last fragment released by zmq, and to the initial cut received) and the CPU
 each thread of the syncer and of this process used during INIT, as a share of one core, so a
 saturated thread shows. The last line is one JSON object (``initialised``: fragments the syncer
@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,8 +98,9 @@ def main() -> int:
     cmd = [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:0", "--islands", "1",
            "--sync-every", "1", "--total-steps", "1", "--checkpoint-every", "0", "--join-timeout-s", "0",
            "--dead-after-s", "600", "--final-timeout-s", "60", *a.syncer_args.split()]
-    log_f = open(tmp / "syncer.log", "w")
-    syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
+    with open(tmp / "syncer.log", "w") as log_f:
+        syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
+    client: SyncClient | None = None
     try:
         deadline = time.monotonic() + 60
         while not (m := re.search(r"bound (tcp://\S+)", (tmp / "syncer.log").read_text())):
@@ -137,26 +139,27 @@ def main() -> int:
             if client.wait_bcast(0.01):
                 cut |= {b.fragment for b in client.take_bcasts()}
         cut_s = time.monotonic() - t0
-        while time.monotonic() - t0 < 120:  # the syncer verified and holds every fragment
+        initialised, deadline = 0, time.monotonic() + 120
+        while initialised < a.fragments and time.monotonic() < deadline:  # the syncer verified and holds each
             initialised = (tmp / "syncer.log").read_text().count("initialised by island 0")
-            if initialised >= a.fragments:
-                break
             time.sleep(0.05)
         print(f"INIT {nbytes / 2**30:.2f} GiB in {a.fragments} fragments, window {client_mod.WINDOW}, "
               f"syncer {a.syncer_args or '(defaults)'}: sent {sent_s:.2f}s ({nbytes / sent_s / 1e9:.2f} GB/s), "
               f"cut at {cut_s:.2f}s")
         print("  syncer threads during INIT:", ", ".join(busy(s0, s1, sent_s)))
         print("  island threads during INIT:", ", ".join(busy(c0, c1, sent_s)))
-        client.close()
         for spy in spies:
             spy.wait(timeout=60)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
-                          "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW, "syncer_args": a.syncer_args,
-                          "gib": a.gib, "fragments": a.fragments}))
+                          "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
+                          "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments}))
         return 0
     finally:
+        if client is not None:
+            client.close()
         syncer.kill()
-        syncer.wait()
+        syncer.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

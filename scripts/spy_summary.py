@@ -15,15 +15,16 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, default=25)
     ap.add_argument("--depth", type=int, default=4)
     a = ap.parse_args()
-    per_thread: collections.Counter = collections.Counter()
-    leaves: collections.Counter = collections.Counter()
-    for line in open(a.file):
-        stack, _, n = line.rstrip("\n").rpartition(" ")
-        if not n.isdigit():
-            continue
-        frames = stack.split(";")
-        per_thread[frames[0]] += int(n)
-        leaves[(frames[0], ";".join(f.split(" (")[0] for f in frames[-a.depth:]))] += int(n)
+    per_thread: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[tuple[str, str]] = collections.Counter()
+    with open(a.file) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not n.isdigit():
+                continue
+            frames = stack.split(";")
+            per_thread[frames[0]] += int(n)
+            leaves[(frames[0], ";".join(fr.split(" (")[0] for fr in frames[-a.depth:]))] += int(n)
     print(f"{a.file}: {sum(per_thread.values())} samples")
     for th, n in per_thread.most_common():
         print(f"  {n:6d} {th}")

@@ -63,11 +63,6 @@ from diloco.wire.pacing import Pacer, Stream, send_tracked
 
 log = logging.getLogger(__name__)
 
-BACKLOG_PARTS = 2
-"""Received parts per data-plane worker the loop reads ahead of the workers: one in work and one
-waiting, so a worker that finishes finds its next part at once instead of waiting for the loop's
-next read and the wire behind it (INIT on the device host: 2.7 GB/s at one part per worker, 3.1
-at two, 3.2 at four)."""
 
 EXIT_OK = 0
 EXIT_FINAL_FAILED = 1
@@ -375,10 +370,9 @@ class SyncerLoop:
         held.register(self._wake_r, zmq.POLLIN)
         held.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
-        # Received parts held for the data plane: at most BACKLOG_PARTS per worker (each up to
-        # --part-mib); zmq holds at most ``rcvhwm`` more per island.
-        backlog_cap = min(self.options.max_backlog_bytes,
-                          BACKLOG_PARTS * self.data.threads * limits.max_message_bytes)
+        # Received parts held for the data plane (LoopOptions.backlog_cap); zmq holds at most
+        # ``rcvhwm`` more per island. A message is read only while a whole one fits under the cap.
+        room = self.options.backlog_cap(limits.max_message_bytes) - limits.max_message_bytes
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():
@@ -395,13 +389,13 @@ class SyncerLoop:
                     except ValueError as e:
                         log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
-                full = self.data.backlog_bytes >= backlog_cap
+                full = self.data.backlog_bytes > room
                 (held if full else poller).poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()
                 self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
                 for _ in range(self.options.max_batch):
-                    if self.data.backlog_bytes >= backlog_cap:
+                    if self.data.backlog_bytes > room:
                         break  # back-pressure: let the data plane catch up first
                     try:
                         outgoing.extend(self._receive(time.monotonic(), limits))

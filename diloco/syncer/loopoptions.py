@@ -11,6 +11,11 @@ from diloco.syncer.listener import SYNCER_LIMITS
 from diloco.wire import Limits
 
 
+BACKLOG_PARTS = 2
+"""Received parts per data-plane worker the loop reads ahead: one in work and one waiting, so a
+worker that finishes finds its next part at once instead of waiting for the loop's next read."""
+
+
 @dataclass(frozen=True)
 class LoopOptions:
     """Socket and housekeeping settings of the loop.
@@ -29,7 +34,7 @@ class LoopOptions:
         window: parts of one stream destination zmq may hold at once (``wire.pacing``).
         data_threads: data-plane workers (``--data-threads``).
         max_backlog_bytes: received part bytes the data plane may hold before the loop stops reading;
-            at most ``loop.BACKLOG_PARTS`` parts per data-plane worker whatever this says.
+            :meth:`backlog_cap` turns it into the loop's bound.
         linger_ms: how long close() may spend flushing SHUTDOWN at exit.
         status_every_s: period of the one-line status log.
         event_log: path of the JSON-lines commit log (None: none).
@@ -51,3 +56,9 @@ class LoopOptions:
     status_every_s: float = 2.0
     event_log: str | None = None
     curve: ServerCurve | None = None
+
+    def backlog_cap(self, message_bytes: int) -> int:
+        """Received bytes the data plane may hold before the loop stops reading (the loop reads a
+        message only while a whole one still fits): :data:`BACKLOG_PARTS` messages of up to
+        ``message_bytes`` per worker, at most ``max_backlog_bytes``, never less than one message."""
+        return max(message_bytes, min(self.max_backlog_bytes, BACKLOG_PARTS * self.data_threads * message_bytes))

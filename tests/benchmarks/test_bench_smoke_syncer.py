@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +48,15 @@ def test_bench_scale_smoke() -> None:
 def test_probe_init_smoke() -> None:
     """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
     into a real syncer, which verifies and holds each one."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "probe_init.py"), "--smoke"], capture_output=True,
-                          text=True, timeout=280, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "probe_init.py"), "--smoke"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=280)
+    finally:
+        if proc.poll() is None:  # timed out: the probe and the syncer it started go together
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err[-4000:]
+    figures = json.loads(out.strip().splitlines()[-1])
     assert figures["initialised"] == figures["fragments"] == 2
     assert math.isfinite(figures["init_gbps"]) and figures["init_gbps"] > 0

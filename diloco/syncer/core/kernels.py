@@ -1,23 +1,22 @@
 """The syncer's arithmetic on one part: fold a push into the running sum, and the outer step.
 
 Both run on a data-plane worker over cache blocks of :data:`BLOCK` elements (512 KiB per fp32
-buffer, so the three or four buffers of a block stay in L2), with numpy ufuncs on views of the
-torch buffers: each call is one kernel that releases the GIL, and each element is read from and
-written to memory once. numpy's call costs about a microsecond, torch's several: at 1 MiB blocks
-torch's dispatch was a fifth of the fold (measured on one core: 4 folds of 128 MiB with their
-digests and bounds 132 ms with torch at 1 MiB blocks, 94-100 ms with numpy at 256-512 KiB). Four
-workers on two cores commit 128 MiB each in 0.19 s with torch at 1 MiB blocks, 0.21 s with numpy
-at 256 KiB (more GIL hand-offs) and 0.17 s at 512 KiB. Every operation is one fp32 operation (never a fused multiply-add),
-in the order of ``diloco.outer``'s formula, so a numpy reference matches bit for bit.
+buffer, so the three or four buffers of a block stay in L2), as numpy ufuncs on views of the
+torch buffers: each call is one kernel that releases the GIL and costs about a microsecond to
+dispatch, and each element is read from and written to memory once (block sizes and the
+measurements behind them: docs/PERFORMANCE.md, session 10). Every operation is one fp32
+operation (never a fused multiply-add) in the order of ``diloco.outer``'s formula, so a numpy
+reference matches bit for bit. Floating-point warnings are silenced: an overflow is found by the
+checks below, not reported by a warning on a worker thread.
 
-Finiteness is checked with ``torch.aminmax`` (NaN and Inf propagate into it), which also
-gives the largest magnitude of each pushed chunk: the state keeps bounds of ``|sum|``,
+Finiteness is checked with ``torch.aminmax`` (NaN and Inf propagate into it) or a norm bound
+(:func:`magnitude_bound`), which also bound the largest magnitude of each pushed chunk: the
+state keeps bounds of ``|sum|``,
 ``|value|`` and ``|momentum|`` per part, so it proves before a commit that the step cannot
 overflow (``step_bounds``; then the commit checks nothing and may update the momentum in
-place) or else has the commit measured (``check``). A sum
-reduced in float64 is no check to use here: torch runs it at 0.7 GB/s on blocks of 1 Mi
-elements and more (measured; fp32 reductions run at 15-25 GB/s), and it was most of the
-time of every fold and of every commit beside a pinned momentum.
+place) or else has the commit measured (``check``). A sum reduced in float64 is no check to
+use here: torch runs it at 0.7 GB/s on blocks of 1 Mi elements and more (fp32 reductions run at
+15-25 GB/s).
 """
 
 from __future__ import annotations
@@ -35,23 +34,13 @@ class Scratch:
     """One fp32 buffer per worker, grown to the largest block seen (at most :data:`BLOCK`), then reused."""
 
     def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.float32)
-        self.arr = self.buf.numpy()
-
-    def get(self, n: int) -> torch.Tensor:
-        """The first ``n`` elements as a tensor."""
-        self._grow(n)
-        return self.buf[:n]
+        self.arr = np.empty(0, dtype=np.float32)
 
     def array(self, n: int) -> np.ndarray:
-        """The first ``n`` elements as a numpy view of the same memory."""
-        self._grow(n)
+        """The first ``n`` elements."""
+        if self.arr.size < n:
+            self.arr = np.empty(n, dtype=np.float32)
         return self.arr[:n]
-
-    def _grow(self, n: int) -> None:
-        if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.float32)
-            self.arr = self.buf.numpy()
 
 
 def absmax(t: torch.Tensor) -> float:
@@ -75,8 +64,9 @@ def magnitude_bound(t: torch.Tensor) -> float:
     """An upper bound of ``max |t|`` in one fast pass; ``inf`` when any element is NaN or infinite.
 
     For fp32: the chunk's L2 norm (``torch.dot``, about 5x faster than ``aminmax`` on a cache-hot
-    block) times :data:`NORM_MARGIN`, plus :data:`UNDERFLOW_SLACK`; NaN and Inf propagate into it. Squares that overflow on
-    finite elements fall back to :func:`absmax`, which tells them apart. Other dtypes: :func:`absmax`."""
+    block) times :data:`NORM_MARGIN`, plus :data:`UNDERFLOW_SLACK`; NaN and Inf propagate into it.
+    Squares that overflow on finite elements fall back to :func:`absmax`, which tells them apart.
+    Other dtypes: :func:`absmax`."""
     if t.dtype != torch.float32 or t.numel() == 0:
         return absmax(t)
     sumsq = float(torch.dot(t, t))
@@ -93,17 +83,18 @@ def fold_chunk(src: torch.Tensor, dst: torch.Tensor, weight: float, first: bool,
     w = np.float32(weight)
     d_all = dst.numpy()
     s_all = src.numpy() if src.dtype == torch.float32 else None
-    for a in range(0, n, BLOCK):
-        b = min(n, a + BLOCK)
-        d = d_all[a:b]
-        target = d if first else scratch.array(b - a)
-        if s_all is not None:
-            np.multiply(s_all[a:b], w, out=target)
-        else:
-            torch.from_numpy(target).copy_(src[a:b])
-            np.multiply(target, w, out=target)
-        if not first:
-            np.add(d, target, out=d)
+    with np.errstate(all="ignore"):
+        for a in range(0, n, BLOCK):
+            b = min(n, a + BLOCK)
+            d = d_all[a:b]
+            target = d if first else scratch.array(b - a)
+            if s_all is not None:
+                np.multiply(s_all[a:b], w, out=target)
+            else:
+                torch.from_numpy(target).copy_(src[a:b])
+                np.multiply(target, w, out=target)
+            if not first:
+                np.add(d, target, out=d)
 
 
 def outer_step(s: torch.Tensor, value: torch.Tensor, momentum: torch.Tensor | None, out_momentum: torch.Tensor | None,
@@ -128,29 +119,30 @@ def outer_step(s: torch.Tensor, value: torch.Tensor, momentum: torch.Tensor | No
     sums, values = s.numpy(), value.numpy()
     old_m = None if momentum is None else momentum.numpy()
     new_m = old_m if out_momentum is None else out_momentum.numpy()
-    for a in range(lo, hi, BLOCK):
-        b = min(hi, a + BLOCK)
-        acc = sums[a:b]
-        np.divide(acc, neg_total, out=acc)  # g
-        if mu == 0.0:
-            if lr != 1.0:
-                np.multiply(acc, f_lr, out=acc)
-            np.subtract(values[a:b], acc, out=acc)
-        else:
-            assert old_m is not None and new_m is not None
-            m = new_m[a:b]
-            np.multiply(old_m[a:b], f_mu, out=m)
-            np.add(m, acc, out=m)  # m = mu * m + g
-            tmp = scratch.array(b - a)
-            np.multiply(m, f_mu, out=tmp)
-            np.add(tmp, acc, out=tmp)  # g + mu * m
-            if lr != 1.0:
-                np.multiply(tmp, f_lr, out=tmp)
-            np.subtract(values[a:b], tmp, out=acc)
+    with np.errstate(all="ignore"):
+        for a in range(lo, hi, BLOCK):
+            b = min(hi, a + BLOCK)
+            acc = sums[a:b]
+            np.divide(acc, neg_total, out=acc)  # g
+            if mu == 0.0:
+                if lr != 1.0:
+                    np.multiply(acc, f_lr, out=acc)
+                np.subtract(values[a:b], acc, out=acc)
+            else:
+                assert old_m is not None and new_m is not None
+                m = new_m[a:b]
+                np.multiply(old_m[a:b], f_mu, out=m)
+                np.add(m, acc, out=m)  # m = mu * m + g
+                tmp = scratch.array(b - a)
+                np.multiply(m, f_mu, out=tmp)
+                np.add(tmp, acc, out=tmp)  # g + mu * m
+                if lr != 1.0:
+                    np.multiply(tmp, f_lr, out=tmp)
+                np.subtract(values[a:b], tmp, out=acc)
+                if check:
+                    mmax = max(mmax, absmax(torch.from_numpy(m)))
             if check:
-                mmax = max(mmax, absmax(torch.from_numpy(m)))
-        if check:
-            vmax = max(vmax, absmax(torch.from_numpy(acc)))
+                vmax = max(vmax, absmax(torch.from_numpy(acc)))
     return (vmax, mmax) if check else (math.nan, math.nan)
 
 
