@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -36,23 +37,9 @@ from diloco.config import IslandConfig  # noqa: E402
 from diloco.digest import tensor_digest  # noqa: E402
 from diloco.island import client as client_mod  # noqa: E402
 from diloco.island.client import SyncClient  # noqa: E402
+from profile_syncer import thread_times as thread_cpu  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, tuple[str, float]]:
-    """tid -> (thread name, CPU seconds so far) of one process."""
-    out = {}
-    for t in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            raw = (t / "stat").read_text()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1 : raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2 :].split()
-        out[t.name] = (name, (int(fields[11]) + int(fields[12])) / TICK)
-    return out
 
 
 def busy(before: dict, after: dict, seconds: float) -> list[str]:
