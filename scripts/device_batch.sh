@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | zmqinit | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
 # Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
 # PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
@@ -30,6 +30,12 @@ for job in "$@"; do
            ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} 2>&1 \
            | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
+       done ;;
+    zmqinit) install  # INIT's framing over bare zmq: the transport alone, then a syncer-like consumer
+       IFS=, read -ra variants <<<"${ZMQ_INIT_VARIANTS:---workers 0,--workers 4,--workers 4 --touched,--workers 4 --rcvhwm 16,--workers 4 --window 8}"
+       for v in "${variants[@]}"; do  # comma-separated variants, each a list of probe flags
+         PYTHONPATH=$REPO timeout 200 python3 "$REPO/scripts/probe_zmq_init.py" --gib 10 $v 2>&1 | tail -2 | head -1 \
+           | tee -a "$WORKDIR/zmqinit.txt"
        done ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
     *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;

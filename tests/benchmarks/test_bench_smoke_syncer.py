@@ -45,18 +45,31 @@ def test_bench_scale_smoke() -> None:
         assert math.isfinite(figures[key]) and figures[key] > 0, key
 
 
-def test_probe_init_smoke() -> None:
-    """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
-    into a real syncer, which verifies and holds each one."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "probe_init.py"), "--smoke"], stdout=subprocess.PIPE,
+def _probe_json(script: str) -> dict:
+    """Run ``scripts/SCRIPT --smoke`` in its own process group (killed whole on timeout: the
+    probes start a syncer or a sender); its last line, parsed."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / script), "--smoke"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=280)
     finally:
-        if proc.poll() is None:  # timed out: the probe and the syncer it started go together
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     assert proc.returncode == 0, err[-4000:]
-    figures = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_probe_init_smoke() -> None:
+    """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
+    into a real syncer, which verifies and holds each one."""
+    figures = _probe_json("probe_init.py")
     assert figures["initialised"] == figures["fragments"] == 2
     assert math.isfinite(figures["init_gbps"]) and figures["init_gbps"] > 0
+
+
+def test_probe_zmq_init_smoke() -> None:
+    """scripts/probe_zmq_init.py (INIT's framing over bare zmq) delivers every byte to its place."""
+    figures = _probe_json("probe_zmq_init.py")
+    assert figures["bytes_ok"] is True and figures["workers"] == 4
+    assert math.isfinite(figures["gbps"]) and figures["gbps"] > 0
