@@ -28,8 +28,8 @@ Non-glibc systems: nothing happens (the functions return False).
 from __future__ import annotations
 
 import ctypes
-import functools
 import ctypes.util
+import functools
 import logging
 import os
 import platform

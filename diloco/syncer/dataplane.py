@@ -153,9 +153,9 @@ def init_part(w: InitPart) -> float:
     """Copy a verified INIT part into the value; returns a bound of its ``max |value|``
     (``kernels.magnitude_bound``: ``inf`` when it holds NaN or Inf)."""
     starts = _segment_starts(w.opened, w.lo)
-    hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
     dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
     w.opened.copy_into(dests, parallel=False)
+    hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
     vmax = max((magnitude_bound(w.value[a : min(hi, a + BLOCK)]) for a in range(w.lo, hi, BLOCK)), default=0.0)
     if vmax == math.inf:
         raise WireError(f"INIT part {w.part} holds NaN or Inf")

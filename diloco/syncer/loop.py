@@ -63,7 +63,6 @@ from diloco.wire.pacing import Pacer, Stream, send_tracked
 
 log = logging.getLogger(__name__)
 
-
 EXIT_OK = 0
 EXIT_FINAL_FAILED = 1
 EXIT_INTERRUPTED = 130
