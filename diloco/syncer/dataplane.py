@@ -20,10 +20,12 @@ fold order the event log records, which the numpy reference replays).  Commits r
 a second set of ``threads`` workers (commit part ``k`` on commit worker ``k mod
 threads``): the state starts a commit only once every fold of its round has returned
 (``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
-other fragments' rounds (and INIT, encodes) never queue behind a commit.  That keeps
-the received-bytes backlog draining during a commit, so the loop keeps reading the
-socket (and answering heartbeats) instead of pausing for back-pressure.  Disjoint
-parts run in parallel without locks.
+other fragments' rounds (and INIT, encodes) never queue behind a commit.  A commit is on the
+critical path (islands wait for its broadcast) and a fold of a later round is not, so while
+commit parts are queued a fold worker holds its next fold back (at most
+:data:`FOLD_YIELD_S`): the commit gets the cores and the memory bandwidth, and the folds' bytes
+wait in the bounded backlog, then in the kernel's socket buffers.  Disjoint parts run in
+parallel without locks.
 
 Threads: torch runs single-threaded here (``torch.set_num_threads(1)``): the pool
 *is* the parallelism, set by ``--data-threads``.  torch's own intra-op threads would
@@ -66,6 +68,9 @@ artificially slow, to show the control loop keeps answering while it works)."""
 
 COMMIT_BLOCK = BLOCK
 """Elements per cache block of the fold and the commit (``kernels.BLOCK``)."""
+
+FOLD_YIELD_S = 2.0
+"""Longest a fold worker holds its next fold back while commit parts are queued (commits first)."""
 
 
 def fold_part(w: FoldPart, scratch: Scratch) -> None:
@@ -221,7 +226,10 @@ class DataPlane:
         self._commit_queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
         self._pending = 0
         self._pending_bytes = 0
+        self._commits = 0
+        """Commit parts submitted and not yet run to the end (folds yield to them)."""
         self._lock = threading.Lock()
+        self._no_commits = threading.Condition(self._lock)
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name=f"yeto-data-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -242,6 +250,7 @@ class DataPlane:
         with self._lock:
             self._pending += 1
             self._pending_bytes += nbytes
+            self._commits += isinstance(work, CommitPart)
         lanes = self._commit_queues if isinstance(work, CommitPart) else self._queues
         lanes[work.part % self.threads].put(work)
 
@@ -258,15 +267,29 @@ class DataPlane:
             work = q.get()
             if work is None:
                 return
+            if isinstance(work, FoldPart):
+                self._yield_to_commits()
             result = run_work(work, scratch)
             nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
             with self._lock:
                 self._pending -= 1
                 self._pending_bytes -= nbytes
+                if isinstance(work, CommitPart):
+                    self._commits -= 1
+                    if not self._commits:
+                        self._no_commits.notify_all()
             self._on_result(result)
             # Drop our references now: an idle worker must not keep the last value it read
             # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
             del work, result
+
+
+    def _yield_to_commits(self) -> None:
+        """Hold a fold back while commit parts are queued, at most :data:`FOLD_YIELD_S` (a commit never
+        waits for a fold: the state starts it once every fold of its round returned)."""
+        with self._no_commits:
+            if self._commits:
+                self._no_commits.wait_for(lambda: not self._commits, timeout=FOLD_YIELD_S)
 
 
 WORKER_NICE = 5
