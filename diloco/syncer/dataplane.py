@@ -22,10 +22,10 @@ threads``): the state starts a commit only once every fold of its round has retu
 (``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
 other fragments' rounds (and INIT, encodes) never queue behind a commit.  A commit is on the
 critical path (islands wait for its broadcast) and a fold of a later round is not, so while
-commit parts are queued a fold worker holds its next fold back (at most
-:data:`FOLD_YIELD_S`): the commit gets the cores and the memory bandwidth, and the folds' bytes
-wait in the bounded backlog, then in the kernel's socket buffers.  Disjoint parts run in
-parallel without locks.
+commit parts are queued only one fold runs at a time (a fold worker waits for a running fold, at
+most :data:`FOLD_YIELD_S`): the commit gets the cores and the memory bandwidth, and the backlog
+still drains, so the loop keeps reading the socket (a heartbeat behind a full backlog would
+wait for the whole commit).  Disjoint parts run in parallel without locks.
 
 Threads: torch runs single-threaded here (``torch.set_num_threads(1)``): the pool
 *is* the parallelism, set by ``--data-threads``.  torch's own intra-op threads would
@@ -70,7 +70,7 @@ COMMIT_BLOCK = BLOCK
 """Elements per cache block of the fold and the commit (``kernels.BLOCK``)."""
 
 FOLD_YIELD_S = 2.0
-"""Longest a fold worker holds its next fold back while commit parts are queued (commits first)."""
+"""Longest a fold worker waits for another fold to end while commit parts are queued (commits first)."""
 
 
 def fold_part(w: FoldPart, scratch: Scratch) -> None:
@@ -228,8 +228,10 @@ class DataPlane:
         self._pending_bytes = 0
         self._commits = 0
         """Commit parts submitted and not yet run to the end (folds yield to them)."""
+        self._folding = 0
+        """Folds running now."""
         self._lock = threading.Lock()
-        self._no_commits = threading.Condition(self._lock)
+        self._fold_turn = threading.Condition(self._lock)
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name=f"yeto-data-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -267,29 +269,31 @@ class DataPlane:
             work = q.get()
             if work is None:
                 return
-            if isinstance(work, FoldPart):
-                self._yield_to_commits()
+            fold = isinstance(work, FoldPart)
+            if fold:
+                self._take_fold_turn()
             result = run_work(work, scratch)
             nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
             with self._lock:
                 self._pending -= 1
                 self._pending_bytes -= nbytes
-                if isinstance(work, CommitPart):
-                    self._commits -= 1
-                    if not self._commits:
-                        self._no_commits.notify_all()
+                self._folding -= fold
+                self._commits -= isinstance(work, CommitPart)
+                if fold or not self._commits:
+                    self._fold_turn.notify_all()
             self._on_result(result)
             # Drop our references now: an idle worker must not keep the last value it read
             # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
             del work, result
 
 
-    def _yield_to_commits(self) -> None:
-        """Hold a fold back while commit parts are queued, at most :data:`FOLD_YIELD_S` (a commit never
-        waits for a fold: the state starts it once every fold of its round returned)."""
-        with self._no_commits:
-            if self._commits:
-                self._no_commits.wait_for(lambda: not self._commits, timeout=FOLD_YIELD_S)
+    def _take_fold_turn(self) -> None:
+        """Start a fold: at once without commit parts queued, else once no other fold runs (at most
+        :data:`FOLD_YIELD_S` later). A commit never waits for a fold: the state starts it once every
+        fold of its round returned."""
+        with self._fold_turn:
+            self._fold_turn.wait_for(lambda: not self._commits or not self._folding, timeout=FOLD_YIELD_S)
+            self._folding += 1
 
 
 WORKER_NICE = 5

@@ -1,4 +1,5 @@
-"""The data plane's scheduling: a fold waits while commit parts are queued (commits first).
+"""The data plane's scheduling: while commit parts are queued, folds run one at a time (commits first,
+and the backlog still drains).
 
 The kernels are replaced by a recorder here: what is under test is which worker runs what,
 and when, not the arithmetic (``test_outer.py`` checks that against numpy).
@@ -33,48 +34,60 @@ def _commit(part: int) -> CommitPart:
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch):
-    """A data plane whose work items record when they start and end; a commit runs until released."""
+    """A two-worker data plane whose work items record when they start and end; a commit, and a
+    fold of part 0, run until released."""
     events: list[tuple[str, str]] = []
-    release = threading.Event()
+    release = {"commit": threading.Event(), "fold0": threading.Event()}
     lock = threading.Lock()
 
     def run_work(work: Work, scratch: object = None) -> Result:
-        kind = "commit" if isinstance(work, CommitPart) else "fold"
+        kind = "commit" if isinstance(work, CommitPart) else f"fold{work.part}"
         with lock:
             events.append(("start", kind))
-        if kind == "commit":
-            assert release.wait(10)
+        if kind in release:
+            assert release[kind].wait(10)
         with lock:
             events.append(("end", kind))
         return Result(work)
 
     monkeypatch.setattr(dataplane, "run_work", run_work)
     results: queue.SimpleQueue[Result] = queue.SimpleQueue()
-    plane = dataplane.DataPlane(1, results.put)
+    plane = dataplane.DataPlane(2, results.put)
     yield plane, events, release, results
-    release.set()
+    for ev in release.values():
+        ev.set()
     plane.close()
 
 
-def test_a_fold_waits_for_the_queued_commit_parts(recorded) -> None:
+def _names(results: queue.SimpleQueue, n: int) -> list[str]:
+    """The next ``n`` results, as work kind and part, in the order they came."""
+    done = [results.get(timeout=5) for _ in range(n)]
+    return [f"{type(r.work).__name__}{r.work.part}" for r in done]
+
+
+def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded) -> None:
     plane, events, release, results = recorded
     plane.submit(_commit(0))
-    plane.submit(_fold(0))
+    plane.submit(_fold(0))  # worker 0: may run beside the commit (the backlog must drain)
+    plane.submit(_fold(1))  # worker 1: free, yet waits for fold 0
     with pytest.raises(queue.Empty):
         results.get(timeout=0.3)
-    assert events == [("start", "commit")]  # the fold worker is free, yet holds its fold back
-    release.set()
-    done = [results.get(timeout=5), results.get(timeout=5)]
-    assert [type(r.work).__name__ for r in done] == ["CommitPart", "FoldPart"]
-    assert events == [("start", "commit"), ("end", "commit"), ("start", "fold"), ("end", "fold")]
+    assert sorted(events) == [("start", "commit"), ("start", "fold0")]
+    release["fold0"].set()
+    assert _names(results, 2) == ["FoldPart0", "FoldPart1"]
+    assert events[-2:] == [("start", "fold1"), ("end", "fold1")]
+    release["commit"].set()
+    assert _names(results, 1) == ["CommitPart0"]
     assert plane.backlog_bytes == 0
 
 
-def test_a_fold_runs_at_once_without_commits(recorded) -> None:
-    plane, events, _release, results = recorded
+def test_folds_run_side_by_side_without_commits(recorded) -> None:
+    plane, events, release, results = recorded
     plane.submit(_fold(0))
-    assert type(results.get(timeout=5).work).__name__ == "FoldPart"
-    assert events == [("start", "fold"), ("end", "fold")]
+    plane.submit(_fold(1))
+    assert _names(results, 1) == ["FoldPart1"]  # beside the held fold 0
+    release["fold0"].set()
+    assert _names(results, 1) == ["FoldPart0"]
 
 
 def test_a_fold_waits_at_most_the_yield_bound(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +95,8 @@ def test_a_fold_waits_at_most_the_yield_bound(recorded, monkeypatch: pytest.Monk
     monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 0.2)
     plane.submit(_commit(0))
     plane.submit(_fold(0))
-    assert type(results.get(timeout=5).work).__name__ == "FoldPart"  # a stuck commit never starves folds
-    assert events[:3] == [("start", "commit"), ("start", "fold"), ("end", "fold")]
-    release.set()
-    assert type(results.get(timeout=5).work).__name__ == "CommitPart"
+    plane.submit(_fold(1))
+    assert _names(results, 1) == ["FoldPart1"]  # a stuck fold never starves the others
+    release["fold0"].set()
+    release["commit"].set()
+    assert sorted(_names(results, 2)) == ["CommitPart0", "FoldPart0"]
