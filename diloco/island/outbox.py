@@ -30,6 +30,7 @@ import torch
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.delta_source import DeltaSource, PartRing
+from diloco.wire.exact import pack_bf16_exact
 from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class Outbox:
                 dtype = out.wire_dtype
                 if isinstance(out.header, wire.Init) and buf is None:
                     spare = self.ring.take(E)  # handed out again at once unless the part goes as bf16
-                    packed = wire.pack_bf16_exact(segs, spare)
+                    packed = pack_bf16_exact(segs, spare)
                     if packed is not None:  # every value exactly a bf16: half the bytes, bit for bit
                         segs, buf, dtype = packed, spare, "bfloat16"
                 payload = wire.encode_payload(segs, wire_dtype=dtype, seed=self._seed)

@@ -17,7 +17,6 @@ receiver copies each chunk exactly once, into a tensor from the receive pool.
 Rooms: :mod:`.schema` (constants, limits, headers), :mod:`.encoding` (header + tensors -> frames),
 :mod:`.decoding` (frames -> validated header + tensors, :class:`WireError` on anything wrong),
 :mod:`.chunks` (digests and the chunk threads), :mod:`.parts` (a fragment cut into parts),
-:mod:`.exact` (fp32 values that are bf16 numbers, packed losslessly for INIT),
 :mod:`.hostpool` (reuse of receive buffers), :mod:`.pacing`.  This package knows nothing of
 torch.distributed, Megatron or the round rules.  Import everything from here:
 ``from diloco import wire``.
@@ -26,7 +25,6 @@ torch.distributed, Megatron or the round rules.  Import everything from here:
 from diloco.wire.chunks import digest_seed
 from diloco.wire.decoding import Message, Opened, decode, open_message, payload_bytes
 from diloco.wire.encoding import EMPTY_PAYLOAD, Payload, encode, encode_payload, seal
-from diloco.wire.exact import pack_bf16_exact
 from diloco.wire.parts import FragmentLayout, check_part_elems
 from diloco.wire.hostpool import HostBufferPool, default_receive_pool
 from diloco.wire.schema import (
@@ -63,7 +61,6 @@ from diloco.wire.schema import (
 __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_CHUNK_BYTES",
-    "pack_bf16_exact",
     "WIRE_DTYPES",
     "PUSH_DTYPES",
     "QUANT_KINDS",

@@ -186,8 +186,7 @@ class Welcome(_HeaderBase, tag="WELCOME"):
 
 
 class Init(_HeaderBase, tag="INIT"):
-    """island 0 -> syncer: one part of the initial fp32 value of one fragment (as bf16 when every value
-    of the part is a bf16 number: ``wire.exact``).
+    """island 0 -> syncer: one part of the initial fp32 value of one fragment.
 
     Part 0 carries the fragment's ``schema`` (canonical names and global shapes, plan
     order); the other parts carry ``()``."""
