@@ -16,23 +16,20 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diloco.wire.chunks import map_chunks
-
 __all__ = ["BLOCK_ELEMS", "pack_bf16_exact"]
 
-BLOCK_ELEMS = 1 << 18
-"""Elements checked and packed per job (1 MiB of fp32: read twice, the second time from cache)."""
+BLOCK_ELEMS = 1 << 16
+"""Elements checked and packed per step (256 KiB of fp32: each block is read once, from cache)."""
 
 
-def pack_bf16_exact(segments: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor, parallel: bool = True
+def pack_bf16_exact(segments: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor
                     ) -> list[tuple[str, torch.Tensor]] | None:
     """The segments as bf16 views of ``out`` when every element is exactly a bf16, else None.
 
     ``segments`` are contiguous fp32 CPU tensors; ``out`` is a contiguous fp32 CPU buffer with at
     least half as many elements as the segments hold (it receives their bf16 bits, in order).
     Promises: the returned tensors hold bit for bit the high halves of the inputs, with their
-    shapes; ``None`` leaves nothing the caller needs (``out`` may be partly written). Blocks after
-    the first are packed on the wire's chunk threads (``parallel=False``: here). Refuses
+    shapes; ``None`` leaves nothing the caller needs (``out`` may be partly written). Refuses
     (None) any segment that is not a contiguous fp32 CPU tensor, and big-endian hosts."""
     if sys.byteorder != "little":
         return None
@@ -42,27 +39,17 @@ def pack_bf16_exact(segments: Sequence[tuple[str, torch.Tensor]], out: torch.Ten
     packed = out.view(torch.bfloat16)
     dest = packed.view(torch.int16).numpy().view(np.uint16)
     result: list[tuple[str, torch.Tensor]] = []
-    jobs: list[tuple[np.ndarray, np.ndarray]] = []
     pos = 0
     for name, t in segments:
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             return None
         n = t.numel()
         halves = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)  # (low, high) per element
-        jobs += [(halves[2 * a : 2 * min(n, a + BLOCK_ELEMS)], dest[pos + a : pos + min(n, a + BLOCK_ELEMS)])
-                 for a in range(0, n, BLOCK_ELEMS)]
+        for a in range(0, n, BLOCK_ELEMS):
+            b = min(n, a + BLOCK_ELEMS)
+            if halves[2 * a : 2 * b : 2].max(initial=0):
+                return None
+            np.copyto(dest[pos + a : pos + b], halves[2 * a + 1 : 2 * b : 2])
         result.append((name, packed[pos : pos + n].view(t.shape)))
         pos += n
-    if jobs and not _pack_block(jobs[0]):
-        return None  # not a bf16 model: one block checked, nothing more
-    return result if all(map_chunks(_pack_block, jobs[1:], parallel)) else None
-
-
-def _pack_block(job: tuple[np.ndarray, np.ndarray]) -> bool:
-    """Whether every element of one block is a bf16 number; if so its bf16 bits are written to the
-    block's destination (numpy releases the GIL: blocks pack side by side on the chunk threads)."""
-    halves, dest = job
-    if halves[0::2].max(initial=0):
-        return False
-    np.copyto(dest, halves[1::2])
-    return True
+    return result
