@@ -199,8 +199,8 @@ def test_init_schema_and_finiteness_checked(caplog) -> None:
         out = d.send_all(peer(0), inits(0, values=bad))
     assert errors(out) == ["bad_init"] and [o.peer for o in of(out, Error)] == [peer(0)]
     assert "NaN" in caplog.text and not d.st.fragments[0].initialised and d.st.fragments[0].value is None
-    raw = [(n, t.view(torch.uint8)) for n, t in init_values(0)]
-    assert errors(d.send(peer(0), *inits(0, values=raw)[0])) == ["bad_part"]  # INIT is fp32 (or bf16-exact as bf16)
+    bf = [(n, t.bfloat16()) for n, t in init_values(0)]
+    assert errors(d.send(peer(0), *inits(0, values=bf)[0])) == ["bad_part"]  # INIT is fp32
     msgs = inits(0)
     assert errors(d.send(peer(0), msgspec.structs.replace(msgs[0][0], schema=()), msgs[0][1])) == ["bad_schema"]
     renamed = [("z" if n == "a" else n, t) for n, t in msgs[0][1]]
