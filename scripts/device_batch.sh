@@ -23,11 +23,10 @@ for job in "$@"; do
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
     init) install
-       for v in ${INIT_VARIANTS:-8:4:0:bf16 8:4:0:fp32}; do  # part MiB : data threads : client window (0: the code's) : values
-         IFS=: read -r mib threads window values <<<"$v"
+       for v in ${INIT_VARIANTS:-8:4:0}; do  # part MiB : data threads : client window (0: the code's)
+         IFS=: read -r mib threads window <<<"$v"
          PYTHONPATH=$REPO timeout 300 python3 \
            "$REPO/scripts/probe_init.py" --gib 2.5 --window "$window" --syncer-args "--part-mib $mib --data-threads $threads" \
-           $([ "${values:-bf16}" = fp32 ] && echo --fp32-values) \
            ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} 2>&1 \
            | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done

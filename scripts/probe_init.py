@@ -7,8 +7,7 @@ streaming ``--fragments`` INIT fragments of ``--gib`` GiB each, two in flight, a
 start-up does (``island/lifecycle.py``), claiming their digests in HELLO as a real island does (the
 syncer then holds the island's values: no cut comes back). ``--window`` overrides the client's stream window
 (``island.client.WINDOW``: parts of INIT in zmq's hands) for this run only. Prints INIT GB/s (bytes over
-first send to the last fragment released by zmq, and to the initial cut received; the model's fp32 bytes, whatever
-the wire carried: `wire_gib`) and the CPU
+first send to the last fragment released by zmq, and to the initial cut received) and the CPU
 each thread of the syncer and of this process used during INIT, as a share of one core, so a
 saturated thread shows. The last line is one JSON object (``initialised``: fragments the syncer
 logged as initialised, which must be all of them).
@@ -64,10 +63,6 @@ def main() -> int:
     ap.add_argument("--spy", type=Path, default=None,
                     help="record py-spy stacks (native, idle included) of the syncer and of this process "
                          "during INIT into this folder: syncer.txt, island.txt, syncer_gil.txt")
-    ap.add_argument("--fp32-values", action="store_true",
-                    help="values that are not bf16 numbers (low mantissa bits set): INIT travels as fp32; by "
-                         "default every value is a bf16 number, as a mixed-precision job's fp32 masters are at start, "
-                         "and INIT travels as bf16 (wire.exact)")
     ap.add_argument("--no-claims", action="store_true",
                     help="claim nothing in HELLO: the syncer sends the cut back while INIT streams")
     a = ap.parse_args()
@@ -82,8 +77,7 @@ def main() -> int:
     for f in range(a.fragments):
         names = [f"f{f}.t{i}" for i in range(a.tensors)]
         layouts.append(wire.FragmentLayout.of([(n, (per,)) for n in names]))
-        fill = float(f + 1) + (2**-20 if a.fp32_values else 0.0)
-        values.append([(n, torch.full((per,), fill)) for n in names])
+        values.append([(n, torch.full((per,), float(f + 1))) for n in names])
     nbytes = a.fragments * a.tensors * per * 4
     tmp = Path(tempfile.mkdtemp(prefix="probe_init_"))
     key = b"probe-init-key"
@@ -144,7 +138,6 @@ def main() -> int:
         for spy in spies:
             spy.wait(timeout=60)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
-                          "wire_gib": round(client.stats.data_bytes_sent / 2**30, 3),
                           "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
                           "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments}))
         return 0

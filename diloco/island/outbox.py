@@ -30,7 +30,6 @@ import torch
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.delta_source import DeltaSource, PartRing
-from diloco.wire.exact import pack_bf16_exact
 from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
@@ -179,13 +178,7 @@ class Outbox:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)  # frames never view the ring
             else:
                 segs, buf = _part_of(out.tensors, layout, k, E, self.ring)
-                dtype = out.wire_dtype
-                if isinstance(out.header, wire.Init) and buf is None:
-                    spare = self.ring.take(E)  # handed out again at once unless the part goes as bf16
-                    packed = pack_bf16_exact(segs, spare)
-                    if packed is not None:  # every value exactly a bf16: half the bytes, bit for bit
-                        segs, buf, dtype = packed, spare, "bfloat16"
-                payload = wire.encode_payload(segs, wire_dtype=dtype, seed=self._seed)
+                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             made[0], made[1], made[2] = k, payload, buf

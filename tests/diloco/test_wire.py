@@ -401,24 +401,3 @@ def test_copy_into_upcasts_bf16_into_fp32_exactly() -> None:
         odd.copy_into([untouched])
     assert bool((untouched == 7.0).all())
     assert torch.equal(odd.tensors()[0][1].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
-
-
-def test_pack_bf16_exact_packs_only_exact_values_bit_for_bit() -> None:
-    from diloco.wire.exact import BLOCK_ELEMS, pack_bf16_exact
-
-    g = torch.Generator().manual_seed(7)
-    a = torch.randn(3 * BLOCK_ELEMS + 5, generator=g).bfloat16().float()
-    b = torch.randn(6, 7, generator=g).bfloat16().float()
-    out = torch.empty((a.numel() + b.numel() + 1) // 2)
-    packed = pack_bf16_exact([("a", a), ("b", b)], out)
-    assert packed is not None and [n for n, _t in packed] == ["a", "b"]
-    for (_n, got), want in zip(packed, (a, b)):
-        assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        assert torch.equal(got.float().view(torch.int32), want.view(torch.int32))
-        assert got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()  # views of out: no allocation
-    late = a.clone()
-    late[-1] = torch.nextafter(late[-1], torch.tensor(float("inf")))  # one value in the last block
-    assert pack_bf16_exact([("a", late)], out) is None
-    assert pack_bf16_exact([("a", a[::2])], out) is None  # not contiguous
-    assert pack_bf16_exact([("a", a.double())], out) is None
-    assert pack_bf16_exact([("a", a)], torch.empty(10)) is None  # out too small

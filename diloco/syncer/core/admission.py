@@ -136,9 +136,7 @@ class Admission:
                                           f"{frag.init_next_part}")
             layout = frag.layout
             schema = frag.schema
-        # fp32, or bf16 when every value of the part is exactly a bf16 (``wire.exact``): upcast exactly.
-        dtype = "bfloat16" if msg.metas and msg.metas[0].dtype == "bfloat16" else "float32"
-        problem = layout.check_part(msg.metas, h.part, h.n_parts, E, dtype)
+        problem = layout.check_part(msg.metas, h.part, h.n_parts, E, "float32")
         if problem:
             raise Refused("bad_part", f"INIT fragment {h.fragment}: {problem}")
 

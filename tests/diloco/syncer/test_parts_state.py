@@ -608,24 +608,3 @@ def test_a_part_far_above_the_reference_norm_is_clipped_not_folded_whole() -> No
     assert np.allclose(v, ref, rtol=1e-5, atol=1e-6)
     unclipped, _ = reference_commit(v0, m0, {**deltas, 2: flat(big).numpy()}, weights, ev["fold_order"], E)
     assert not np.allclose(v, unclipped, rtol=1e-3, atol=1e-4)  # the clip changed the merge
-
-
-def test_init_parts_in_bf16_land_exactly_and_a_part_mixing_dtypes_is_refused() -> None:
-    """INIT parts whose values are all bf16 travel as bf16 (``wire.exact``): the value holds their
-    exact upcast beside fp32 parts. A part whose segments mix dtypes is refused, INIT starts over."""
-    d = Driver(CFG)
-    for i in range(CFG.islands):
-        d.send(peer(i), hello(i, numel=(NUMEL,)))
-    value = [(n, t.bfloat16().float()) for n, t in tensors(5)]
-    parts = init_parts(0, 1, value, E, generation=GEN[0])
-    as_bf16 = [(h, [(n, t.bfloat16()) for n, t in segs]) if k % 2 == 0 else (h, segs)
-               for k, (h, segs) in enumerate(parts)]  # even parts bf16, odd parts fp32
-    h1, s1 = as_bf16[1]
-    mixed = [(n, t.bfloat16() if j == 0 else t) for j, (n, t) in enumerate(s1)]
-    assert len(mixed) > 1 and {t.dtype for _n, t in mixed} == {torch.bfloat16, torch.float32}
-    d.send_all(peer(0), as_bf16[:1])
-    assert errors(d.send(peer(0), h1, mixed)) == ["bad_part"]
-    assert not d.st.fragments[0].initialised
-    d.send_all(peer(0), as_bf16)  # restarted from part 0
-    assert d.st.initialised
-    assert bitwise(d.st.fragments[0].value, flat(value))
