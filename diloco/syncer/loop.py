@@ -372,6 +372,7 @@ class SyncerLoop:
         # Received parts held for the data plane (LoopOptions.backlog_cap); zmq holds at most
         # ``rcvhwm`` more per island. A message is read only while a whole one fits under the cap.
         room = self.options.backlog_cap(limits.max_message_bytes) - limits.max_message_bytes
+        log.info("received parts: %s", self.options.frames_budget(self.state.config.islands, limits.max_message_bytes))
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():

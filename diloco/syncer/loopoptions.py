@@ -62,3 +62,13 @@ class LoopOptions:
         message only while a whole one still fits): :data:`BACKLOG_PARTS` messages of up to
         ``message_bytes`` per worker, at most ``max_backlog_bytes``, never less than one message."""
         return max(message_bytes, min(self.max_backlog_bytes, BACKLOG_PARTS * self.data_threads * message_bytes))
+
+    def frames_budget(self, islands: int, message_bytes: int) -> str:
+        """The received frames the syncer may hold at once, for the start-up log: zmq's ``rcvhwm``
+        messages plus the one being read, per island, and the data plane's backlog."""
+        per_island = self.rcvhwm + 1
+        backlog = self.backlog_cap(message_bytes)
+        total = islands * per_island * message_bytes + backlog
+        return (f"at most {total / 2**20:.0f} MiB held (zmq: {per_island} messages of up to "
+                f"{message_bytes / 2**20:.0f} MiB per island, {islands} islands; data-plane backlog "
+                f"{backlog / 2**20:.0f} MiB)")
