@@ -20,12 +20,13 @@ fold order the event log records, which the numpy reference replays).  Commits r
 a second set of ``threads`` workers (commit part ``k`` on commit worker ``k mod
 threads``): the state starts a commit only once every fold of its round has returned
 (``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
-other fragments' rounds (and INIT, encodes) never queue behind a commit.  A commit is on the
-critical path (islands wait for its broadcast) and a fold of a later round is not, so while
-commit parts are queued only one fold runs at a time (a fold worker waits for a running fold, at
-most :data:`FOLD_YIELD_S`): the commit gets the cores and the memory bandwidth, and the backlog
-still drains, so the loop keeps reading the socket (a heartbeat behind a full backlog would
-wait for the whole commit).  Disjoint parts run in parallel without locks.
+other fragments' rounds never queue behind a commit.  A commit is on the critical path
+(islands wait for its broadcast) and a fold of a later round is not, so while commit parts are
+queued a fold starts only when no other fold runs, or once it has waited :data:`FOLD_YIELD_S`:
+the commit gets the cores and the memory bandwidth, and the backlog still drains, so the loop
+keeps reading the socket (a heartbeat behind a full backlog would wait for the whole commit).
+A waiting fold holds its worker's queue: work behind it there (INIT, encodes) waits with it,
+at most :data:`FOLD_YIELD_S` per fold.  Disjoint parts run in parallel without locks.
 
 Threads: torch runs single-threaded here (``torch.set_num_threads(1)``): the pool
 *is* the parallelism, set by ``--data-threads``.  torch's own intra-op threads would
@@ -230,6 +231,8 @@ class DataPlane:
         """Commit parts submitted and not yet run to the end (folds yield to them)."""
         self._folding = 0
         """Folds running now."""
+        self._closing = False
+        """Set by :meth:`close`: folds stop waiting for commits."""
         self._lock = threading.Lock()
         self._fold_turn = threading.Condition(self._lock)
         self._workers = [
@@ -257,6 +260,9 @@ class DataPlane:
         lanes[work.part % self.threads].put(work)
 
     def close(self) -> None:
+        with self._fold_turn:
+            self._closing = True
+            self._fold_turn.notify_all()
         for q in self._queues + self._commit_queues:
             q.put(None)
         for t in self._workers:
@@ -272,27 +278,29 @@ class DataPlane:
             fold = isinstance(work, FoldPart)
             if fold:
                 self._take_fold_turn()
-            result = run_work(work, scratch)
-            nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
-            with self._lock:
-                self._pending -= 1
-                self._pending_bytes -= nbytes
-                self._folding -= fold
-                self._commits -= isinstance(work, CommitPart)
-                if fold or not self._commits:
-                    self._fold_turn.notify_all()
+            try:
+                result = run_work(work, scratch)
+            finally:  # run_work never raises; the counters must hold whatever ends this worker
+                nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
+                with self._lock:
+                    self._pending -= 1
+                    self._pending_bytes -= nbytes
+                    self._folding -= fold
+                    self._commits -= isinstance(work, CommitPart)
+                    if fold or not self._commits:
+                        self._fold_turn.notify_all()
             self._on_result(result)
             # Drop our references now: an idle worker must not keep the last value it read
             # (a whole fragment) alive, or the next round's sum cannot reuse its buffer.
             del work, result
 
-
     def _take_fold_turn(self) -> None:
-        """Start a fold: at once without commit parts queued, else once no other fold runs (at most
-        :data:`FOLD_YIELD_S` later). A commit never waits for a fold: the state starts it once every
-        fold of its round returned."""
+        """Start a fold: at once without commit parts queued (or once closing), else once no other fold
+        runs, at most :data:`FOLD_YIELD_S` later. A commit never waits for a fold: the state starts it
+        once every fold of its round returned."""
         with self._fold_turn:
-            self._fold_turn.wait_for(lambda: not self._commits or not self._folding, timeout=FOLD_YIELD_S)
+            self._fold_turn.wait_for(lambda: not self._commits or not self._folding or self._closing,
+                                     timeout=FOLD_YIELD_S)
             self._folding += 1
 
 

@@ -65,10 +65,13 @@ class LoopOptions:
 
     def frames_budget(self, islands: int, message_bytes: int) -> str:
         """The received frames the syncer may hold at once, for the start-up log: zmq's ``rcvhwm``
-        messages plus the one being read, per island, and the data plane's backlog."""
-        per_island = self.rcvhwm + 1
+        messages plus the one being read, per connection (one per island; a peer still in its
+        handshake adds its own), and the data plane's backlog."""
         backlog = self.backlog_cap(message_bytes)
+        if self.rcvhwm <= 0:
+            return f"zmq per connection: unbounded (RCVHWM {self.rcvhwm}); data-plane backlog {backlog / 2**20:.1f} MiB"
+        per_island = self.rcvhwm + 1
         total = islands * per_island * message_bytes + backlog
-        return (f"at most {total / 2**20:.0f} MiB held (zmq: {per_island} messages of up to "
-                f"{message_bytes / 2**20:.0f} MiB per island, {islands} islands; data-plane backlog "
-                f"{backlog / 2**20:.0f} MiB)")
+        return (f"at most {total / 2**20:.1f} MiB held (zmq: {per_island} messages of up to "
+                f"{message_bytes / 2**20:.1f} MiB per connection, {islands} islands; data-plane backlog "
+                f"{backlog / 2**20:.1f} MiB)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import types
 
 import pytest
@@ -65,20 +66,41 @@ def _names(results: queue.SimpleQueue, n: int) -> list[str]:
     return [f"{type(r.work).__name__}{r.work.part}" for r in done]
 
 
-def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded) -> None:
+def _started(events: list[tuple[str, str]], kind: str) -> None:
+    """Wait (5 s at most) until ``kind`` started on its worker."""
+    deadline = time.monotonic() + 5
+    while ("start", kind) not in events:
+        assert time.monotonic() < deadline, f"{kind} never started"
+        time.sleep(0.005)
+
+
+def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     plane, events, release, results = recorded
+    monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 30.0)
     plane.submit(_commit(0))
-    plane.submit(_fold(0))  # worker 0: may run beside the commit (the backlog must drain)
-    plane.submit(_fold(1))  # worker 1: free, yet waits for fold 0
-    with pytest.raises(queue.Empty):
-        results.get(timeout=0.3)
-    assert sorted(events) == [("start", "commit"), ("start", "fold0")]
+    _started(events, "commit")
+    plane.submit(_fold(0))
+    _started(events, "fold0")  # beside the commit: the backlog must keep draining
+    plane.submit(_fold(1))  # worker 1 is free, yet waits for fold 0
+    time.sleep(0.2)  # time enough for a worker that does not wait to start fold 1
     release["fold0"].set()
-    assert _names(results, 2) == ["FoldPart0", "FoldPart1"]
-    assert events[-2:] == [("start", "fold1"), ("end", "fold1")]
+    assert sorted(_names(results, 2)) == ["FoldPart0", "FoldPart1"]
+    assert events.index(("end", "fold0")) < events.index(("start", "fold1"))
     release["commit"].set()
     assert _names(results, 1) == ["CommitPart0"]
     assert plane.backlog_bytes == 0
+
+
+def test_the_last_commit_part_lets_waiting_folds_go(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    plane, events, release, results = recorded
+    monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 30.0)
+    plane.submit(_commit(0))
+    _started(events, "commit")
+    plane.submit(_fold(0))
+    _started(events, "fold0")
+    plane.submit(_fold(1))
+    release["commit"].set()  # fold 0 still runs, but no commit is queued any more
+    assert _names(results, 2) == ["CommitPart0", "FoldPart1"]
 
 
 def test_folds_run_side_by_side_without_commits(recorded) -> None:
@@ -94,7 +116,9 @@ def test_a_fold_waits_at_most_the_yield_bound(recorded, monkeypatch: pytest.Monk
     plane, events, release, results = recorded
     monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 0.2)
     plane.submit(_commit(0))
+    _started(events, "commit")
     plane.submit(_fold(0))
+    _started(events, "fold0")
     plane.submit(_fold(1))
     assert _names(results, 1) == ["FoldPart1"]  # a stuck fold never starves the others
     release["fold0"].set()

@@ -21,6 +21,7 @@ def test_backlog_cap_is_parts_per_worker_within_the_byte_cap_and_never_below_one
 def test_frames_budget_counts_zmq_per_island_and_the_backlog() -> None:
     opts = LoopOptions(data_threads=4, max_backlog_bytes=128 * MIB, rcvhwm=2)
     line = opts.frames_budget(2, 32 * MIB)
-    assert line.startswith("at most 320 MiB held")  # 2 islands x 3 x 32 MiB + 128 MiB
-    assert "3 messages of up to 32 MiB per island, 2 islands" in line and "backlog 128 MiB" in line
-    assert LoopOptions(data_threads=1, rcvhwm=2).frames_budget(2, 8 * MIB).startswith("at most 64 MiB held")
+    assert line.startswith("at most 320.0 MiB held")  # 2 islands x 3 x 32 MiB + 128 MiB
+    assert "3 messages of up to 32.0 MiB per connection, 2 islands" in line and "backlog 128.0 MiB" in line
+    assert LoopOptions(data_threads=1, rcvhwm=2).frames_budget(2, 8 * MIB).startswith("at most 64.0 MiB held")
+    assert "unbounded" in LoopOptions(rcvhwm=0).frames_budget(2, 8 * MIB)
