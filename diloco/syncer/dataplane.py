@@ -251,13 +251,12 @@ class DataPlane:
         return self._pending_bytes
 
     def submit(self, work: Work) -> None:
-        nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
+        commit = isinstance(work, CommitPart)
         with self._lock:
             self._pending += 1
-            self._pending_bytes += nbytes
-            self._commits += isinstance(work, CommitPart)
-        lanes = self._commit_queues if isinstance(work, CommitPart) else self._queues
-        lanes[work.part % self.threads].put(work)
+            self._pending_bytes += _received_bytes(work)
+            self._commits += commit
+        (self._commit_queues if commit else self._queues)[work.part % self.threads].put(work)
 
     def close(self) -> None:
         with self._fold_turn:
@@ -281,10 +280,9 @@ class DataPlane:
             try:
                 result = run_work(work, scratch)
             finally:  # run_work never raises; the counters must hold whatever ends this worker
-                nbytes = work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
                 with self._lock:
                     self._pending -= 1
-                    self._pending_bytes -= nbytes
+                    self._pending_bytes -= _received_bytes(work)
                     self._folding -= fold
                     self._commits -= isinstance(work, CommitPart)
                     if fold or not self._commits:
@@ -302,6 +300,11 @@ class DataPlane:
             self._fold_turn.wait_for(lambda: not self._commits or not self._folding or self._closing,
                                      timeout=FOLD_YIELD_S)
             self._folding += 1
+
+
+def _received_bytes(work: Work) -> int:
+    """Received payload bytes a work item holds (the backlog the loop throttles on)."""
+    return work.opened.nbytes if isinstance(work, (FoldPart, InitPart)) else 0
 
 
 WORKER_NICE = 5

@@ -74,14 +74,20 @@ def _started(events: list[tuple[str, str]], kind: str) -> None:
         time.sleep(0.005)
 
 
-def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
-    plane, events, release, results = recorded
-    monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 30.0)
+def _commit_then_two_folds(plane: dataplane.DataPlane, events: list[tuple[str, str]]) -> None:
+    """Submit a (held) commit, then a (held) fold of part 0 once the commit runs, then a fold of part 1
+    once fold 0 runs beside the commit (the backlog must keep draining)."""
     plane.submit(_commit(0))
     _started(events, "commit")
     plane.submit(_fold(0))
-    _started(events, "fold0")  # beside the commit: the backlog must keep draining
-    plane.submit(_fold(1))  # worker 1 is free, yet waits for fold 0
+    _started(events, "fold0")
+    plane.submit(_fold(1))
+
+
+def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    plane, events, release, results = recorded
+    monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 30.0)
+    _commit_then_two_folds(plane, events)  # fold 1's worker is free, yet fold 1 waits for fold 0
     time.sleep(0.2)  # time enough for a worker that does not wait to start fold 1
     release["fold0"].set()
     assert sorted(_names(results, 2)) == ["FoldPart0", "FoldPart1"]
@@ -94,11 +100,7 @@ def test_while_a_commit_is_queued_folds_run_one_at_a_time(recorded, monkeypatch:
 def test_the_last_commit_part_lets_waiting_folds_go(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     plane, events, release, results = recorded
     monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 30.0)
-    plane.submit(_commit(0))
-    _started(events, "commit")
-    plane.submit(_fold(0))
-    _started(events, "fold0")
-    plane.submit(_fold(1))
+    _commit_then_two_folds(plane, events)
     release["commit"].set()  # fold 0 still runs, but no commit is queued any more
     assert _names(results, 2) == ["CommitPart0", "FoldPart1"]
 
@@ -115,11 +117,7 @@ def test_folds_run_side_by_side_without_commits(recorded) -> None:
 def test_a_fold_waits_at_most_the_yield_bound(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     plane, events, release, results = recorded
     monkeypatch.setattr(dataplane, "FOLD_YIELD_S", 0.2)
-    plane.submit(_commit(0))
-    _started(events, "commit")
-    plane.submit(_fold(0))
-    _started(events, "fold0")
-    plane.submit(_fold(1))
+    _commit_then_two_folds(plane, events)
     assert _names(results, 1) == ["FoldPart1"]  # a stuck fold never starves the others
     release["fold0"].set()
     release["commit"].set()
