@@ -21,13 +21,12 @@ bytes M, measured in this run:
 
 The last line printed is one JSON object with these keys (and the raw MiB figures).
 
-Parts scale with the model: ``--part-mib`` (default 8) is handed to the syncer, which sets every
-stream's part size. A part is a fixed number of bytes per island (the island's push ring holds
-2, its receive side up to 3; the syncer holds about 2 per island in flight), not a multiple of
-the model. At the default 32 MiB a part is 1/16 of this 512 MiB model's fragment but 1/85 of a
-2.7B model's, so the ratios here would count at this size what the model sizes it stands for
-do not; 8 MiB keeps a part the same share of this model as 32 MiB is of a 2 GB model. Pass
-``--part-mib 32`` to measure at the syncer's default.
+Parts scale with the model: the syncer's default ``--part-mib auto`` makes a part about 1/128 of
+the largest fragment (a power of two from 1 to 32 MiB: 1 MiB for this 512 MiB model in 4
+fragments, 4 MiB at 0.7B, 16 MiB at 2.7B, 32 MiB from 7B on). A part is held a fixed number of
+times per island (the island's push ring holds 2, its receive side up to 3; the syncer about 3
+per island and 2 per data-plane worker), so parts stay a small share of every model instead of
+1/16 of this one's fragments at a fixed 32 MiB. ``--part-mib N`` measures at a fixed size.
 
 The baseline (the same loop, sync off) is the median of ``--baselines`` runs: its peak moves by
 up to 0.2 M from run to run, more than some targets' margin.
@@ -170,7 +169,7 @@ def measure(args: argparse.Namespace, work: Path, name: str, fragments: int, wir
         [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:*", "--islands", "2",
          "--sync-every", str(sync_every), "--total-steps", str(args.steps), "--key-file", str(run / "key"),
          "--outer-lr", "1.0", "--outer-momentum", str(momentum), "--checkpoint-dir", str(run / "ckpt"),
-         "--part-mib", str(args.part_mib),
+         "--part-mib", args.part_mib,
          *shlex.split(args.syncer_args)],
         stderr=syncer_log, start_new_session=True)
     try:
@@ -268,7 +267,7 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--only", default="", help="comma-separated runs to measure (fp32_4f, fp32_8f, q4_4f, momentum, world2); "
                    "the keys of runs left out are null. Default: all")
-    p.add_argument("--part-mib", type=float, default=8.0, help="the syncer's --part-mib (see the module docstring)")
+    p.add_argument("--part-mib", default="auto", help="the syncer's --part-mib (see the module docstring)")
     p.add_argument("--baselines", type=int, default=3, help="runs of the no-sync baseline (the median counts)")
     p.add_argument("--syncer-args", default="", help="extra yeto-syncer flags for every run, e.g. "
                    "'--max-open-rounds 1'")
@@ -287,7 +286,7 @@ def main() -> int:
         run_island(args)
         return 0
     if args.smoke:
-        args.model_mib, args.steps, args.part_mib, args.baselines = 16.0, 8, 1.0, 1
+        args.model_mib, args.steps, args.part_mib, args.baselines = 16.0, 8, "1", 1
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,11 @@ kinds of process want opposite things:
   with frames reused from the heap; ``scripts/probe_recv.py``, docs/PERFORMANCE.md). So blocks
   up to ``SYNCER_MMAP_BYTES`` (8 MiB: twice a frame) come from the heap and are reused, while
   part-sized and larger buffers are still mapped and given back when freed; the heap is trimmed
-  above ``SYNCER_TRIM_BYTES`` and once per commit (``malloc_trim``, ``dataplane.py``), so freed
-  frames stay resident only between commits (:func:`tune_syncer_malloc`). 64 MiB read the same
-  speed but kept 0.28 x a 512 MiB model more resident (``bench_memory.py``);
+  once more than ``SYNCER_TRIM_BYTES`` (8 MiB) lies free at its top, and once per commit
+  (``malloc_trim``, ``dataplane.py``), so freed frames stay resident only between commits
+  (:func:`tune_syncer_malloc`). A mmap threshold of 64 MiB read the same speed but kept 0.28 x a
+  512 MiB model more resident, and a trim threshold of 64 MiB kept 0.06-0.08 x (freed frames
+  at the top of every thread's heap; ``bench_memory.py``);
 * an **island** runs a training loop whose parameter-sized temporaries (AdamW's
   ``exp_avg_sq.sqrt()``, ``grad * lr``, ...) must stay on the heap and be reused, never freshly
   mapped each step: ``ISLAND_MMAP_BYTES`` = 32 MiB (glibc's maximum on 64-bit) and
@@ -45,7 +47,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 SYNCER_MMAP_BYTES = 8 << 20
-SYNCER_TRIM_BYTES = 64 << 20
+SYNCER_TRIM_BYTES = 8 << 20
 ISLAND_MMAP_BYTES = 32 << 20
 ISLAND_TRIM_BYTES = 1 << 30
 

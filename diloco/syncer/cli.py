@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finalization waits this long after start for islands that never joined (0: do not wait)")
     p.add_argument("--event-log", default=None, help="JSON-lines file, one line per commit")
     p.add_argument("--status-every-s", type=float, default=2.0, help="period of the status line on stderr")
-    p.add_argument("--part-mib", type=float, default=32.0,
-                   help="MiB of fp32 per part: fragments travel as parts of this size (multiple of 1/64 MiB, <= 128)")
+    p.add_argument("--part-mib", default="auto",
+                   help="MiB of fp32 per part: fragments travel as parts of this size (multiple of 1/64 MiB, <= 128); "
+                        "auto: about 1/128 of the largest fragment, a power of two from 1 to 32 MiB")
     p.add_argument("--max-fragment-gib", type=float, default=32.0,
                    help="largest fragment (GiB of fp32) accepted; a bigger plan is refused at HELLO with the fix")
     p.add_argument("--quant-block", type=int, default=64,
@@ -133,11 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _part_elems(part_mib: float) -> int:
-    """Elements per part for ``--part-mib`` (4-byte elements); validated by SyncerConfig."""
-    elems = part_mib * 2**18
+def _part_elems(part_mib: str) -> int:
+    """Elements per part for ``--part-mib`` (4-byte elements; 0 for ``auto``); validated by SyncerConfig."""
+    if part_mib == "auto":
+        return 0
+    try:
+        elems = float(part_mib) * 2**18
+    except ValueError:
+        elems = float("nan")
     if not elems == elems or elems <= 0 or elems != int(elems):
-        raise ConfigError(f"--part-mib: must be a positive multiple of 1/64 MiB, got {part_mib}")
+        raise ConfigError(f"--part-mib: must be auto or a positive multiple of 1/64 MiB, got {part_mib}")
     return int(elems)
 
 

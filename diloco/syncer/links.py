@@ -267,7 +267,7 @@ class LinkWatch:
     def init_bytes(state: Coordinator) -> int:
         """fp32 bytes of INIT received so far (whole fragments once initialised)."""
         total = 0
-        part = state.config.part_elems * 4
+        part = state.book.part_elems * 4
         for frag in state.fragments:
             if frag.layout is None:
                 continue

@@ -155,7 +155,7 @@ class SyncerLoop:
             if isinstance(work, (CommitPart, EncodePart)) and result.payloads:
                 frag = self.state.fragments[work.fragment]
                 assert frag.layout is not None
-                n = frag.layout.n_parts(self.state.config.part_elems)
+                n = frag.layout.n_parts(self.state.book.part_elems)
                 version = work.version
                 for dtype, payload in result.payloads.items():
                     self._cache.put(work.fragment, version, dtype, n, work.part, payload)
@@ -169,8 +169,9 @@ class SyncerLoop:
     # ------------------------------------------------------------------ steps
 
     def _limits(self) -> Limits:
-        """Wire limits: a message is at most one part of fp32 (the syncer fixes the part size)."""
-        part = self.state.config.part_elems * 4
+        """Wire limits: a message is at most one part of fp32, of the largest size this run may use
+        (pushes.py refuses a part that does not fit the layout's cut)."""
+        part = self.state.config.max_part_elems * 4
         lim = self.options.limits
         return Limits(
             max_header_bytes=lim.max_header_bytes, max_tensors=lim.max_tensors,
@@ -243,7 +244,7 @@ class SyncerLoop:
         state = self.state
         frag = state.fragments[o.fragment]
         assert frag.layout is not None
-        E = state.config.part_elems
+        E = state.book.part_elems
         n = frag.layout.n_parts(E)
         payload_of = payload_source(o, frag, E, state.digest_seed, self._cache, self.data.submit)
         if payload_of is None:
@@ -356,8 +357,8 @@ class SyncerLoop:
 
     def run(self) -> int:
         """Serve until the state finishes (its exit code) or ``stop_event`` is set (130)."""
-        log.info("syncer %d serving on %s (%d data-plane threads, parts of %d MiB)", self.state.syncer_id,
-                 self.endpoint, self.data.threads, self.state.config.part_elems * 4 >> 20)
+        log.info("syncer %d serving on %s (%d data-plane threads, parts of %s%g MiB)", self.state.syncer_id, self.endpoint,
+                 self.data.threads, "" if self.state.config.part_elems else "auto, at most ", self.state.book.part_elems / 2**18)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

@@ -8,9 +8,10 @@ fragment stream (INIT, PUSH, BCAST, FINAL) is cut into **parts**:
 * the fragment's tensors, concatenated in plan order, form one flat *stream*
   of ``numel`` elements;
 * part ``k`` carries elements ``[k * E, min((k + 1) * E, numel))``, where
-  ``E = part_elems`` is fixed for the whole run (the syncer's ``--part-mib``,
-  announced in WELCOME; a multiple of :data:`PART_ALIGN_ELEMS`); a fragment
-  has ``ceil(numel / E)`` parts;
+  ``E = part_elems`` is fixed for the whole run (the syncer's ``--part-mib``, by
+  default :func:`auto_part_elems` of the plan's fragment sizes, announced in
+  WELCOME; a multiple of :data:`PART_ALIGN_ELEMS`); a fragment has
+  ``ceil(numel / E)`` parts;
 * inside a part the stream is split at tensor boundaries into *segments*, each
   sent as a 1-D tensor named by its canonical tensor, in stream order.
 
@@ -32,7 +33,13 @@ import torch
 
 from diloco.wire.schema import ITEMSIZE, PART_ALIGN_ELEMS, TensorMeta
 
-__all__ = ["FragmentLayout", "check_part_elems"]
+__all__ = ["AUTO_MIN_PART_ELEMS", "AUTO_PARTS_PER_FRAGMENT", "FragmentLayout", "auto_part_elems", "check_part_elems"]
+
+AUTO_PARTS_PER_FRAGMENT = 128
+"""An automatic part is about this fraction of the largest fragment (:func:`auto_part_elems`)."""
+
+AUTO_MIN_PART_ELEMS = 1 << 18
+"""The smallest automatic part: 1 MiB of fp32, one chunk frame."""
 
 
 def check_part_elems(part_elems: int) -> str | None:
@@ -42,6 +49,24 @@ def check_part_elems(part_elems: int) -> str | None:
     if part_elems % PART_ALIGN_ELEMS:
         return f"part_elems {part_elems} is not a multiple of {PART_ALIGN_ELEMS}"
     return None
+
+
+def auto_part_elems(fragment_numel: Sequence[int], cap_elems: int) -> int:
+    """The part size a plan of these fragment sizes gets when none is fixed: the largest fragment
+    over :data:`AUTO_PARTS_PER_FRAGMENT`, rounded down to a power of two, at least
+    :data:`AUTO_MIN_PART_ELEMS` and at most ``cap_elems`` (a valid part size).
+
+    A received part is held a few times per island and per data-plane worker, so part bytes are
+    what the syncer holds beyond values and sums: tied to the fragment they stay a fixed small
+    share of the model (under 1/128 of a fragment each) at every model size, while the largest
+    models keep ``cap_elems``. Deterministic in its inputs: a resumed run gets the same size."""
+    if check_part_elems(cap_elems) is not None:
+        raise ValueError(check_part_elems(cap_elems))
+    want = max(fragment_numel, default=0) // AUTO_PARTS_PER_FRAGMENT
+    size = AUTO_MIN_PART_ELEMS
+    while size * 2 <= min(want, cap_elems):
+        size *= 2
+    return min(size, cap_elems)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class Admission:
         # --- accepted: mutate from here on
         self.sessions.accept_hello(h, sender_key)
         if self.book.fingerprint is None:
-            self.book.fix_layout(h.fingerprint, h.n_fragments)
+            self.book.fix_layout(h.fingerprint, h.n_fragments, tuple(h.fragment_numel))
             log.info("layout fixed by island %d: fingerprint %s, %d fragments", h.island, h.fingerprint, h.n_fragments)
         if self.sessions.retire(h):
             # A push the old connection left half-sent is in the running sum and its last parts
@@ -86,7 +86,7 @@ class Admission:
                     versions=self.book.versions(),
                     sync_every=cfg.sync_every,
                     total_steps=cfg.total_steps,
-                    part_elems=cfg.part_elems,
+                    part_elems=self.book.part_elems,
                     generation=h.generation,
                     nonce=rec.nonce,
                     weighting=cfg.weighting,
@@ -104,7 +104,7 @@ class Admission:
         """Whether ``frag`` needs no more INIT: it has its value, or every part of it was accepted
         (the data plane is copying the last ones in)."""
         return frag.initialised or (frag.layout is not None
-                                    and frag.init_next_part == frag.layout.n_parts(self.config.part_elems))
+                                    and frag.init_next_part == frag.layout.n_parts(self.book.part_elems))
 
     def on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
         """Take one INIT part of island 0 (in order; part 0 carries the schema and restarts the stream)."""
@@ -119,7 +119,7 @@ class Admission:
         frag = self.book.fragments[h.fragment]
         if frag.initialised:
             raise Refused("duplicate_init", f"fragment {h.fragment} is already initialised")
-        E = self.config.part_elems
+        E = self.book.part_elems
         if h.part == 0:
             schema = check_schema(h.schema, self.config.max_fragment_bytes, f"INIT fragment {h.fragment}")
             layout = FragmentLayout.of([(n, s) for n, _d, s in schema])
@@ -171,7 +171,7 @@ class Admission:
         frag.init_done_parts += 1
         frag.value_absmax[work.part] = result.absmax[0]
         assert frag.layout is not None
-        if frag.init_done_parts == frag.layout.n_parts(self.config.part_elems):
+        if frag.init_done_parts == frag.layout.n_parts(self.book.part_elems):
             frag.initialised = True
             if self.book.initialised:
                 self.book.log_budget()

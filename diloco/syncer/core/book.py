@@ -56,7 +56,10 @@ class FragmentBook:
     def __init__(self, config: SyncerConfig, pool: HostBufferPool) -> None:
         self.config = config
         self.pool = pool
-        self.pool.max_idle_bytes = IDLE_PARTS * config.part_elems * 4
+        self.part_elems = config.max_part_elems
+        """Elements per part of every stream: fixed with the layout (:meth:`fix_layout`), the largest
+        this run may use until then."""
+        self.pool.max_idle_bytes = IDLE_PARTS * self.part_elems * 4
         self._logged = False
         self._lock = threading.Lock()
         self.live_bytes = 0
@@ -92,15 +95,24 @@ class FragmentBook:
         """Whether a commit is in flight (it swaps a fragment's buffers when it lands)."""
         return any(f.committing for f in self.fragments)
 
-    def fix_layout(self, fingerprint: str, n_fragments: int) -> None:
-        """The first HELLO fixes the fingerprint and the number of fragments (records without values)."""
+    def fix_layout(self, fingerprint: str, n_fragments: int, fragment_numel: tuple[int, ...] = ()) -> None:
+        """The first HELLO fixes the fingerprint, the fragments (records without values) and the part
+        size (``SyncerConfig.parts_for`` of the sizes it declared)."""
         self.fingerprint = fingerprint
         self.fragments = [FragmentRecord(index=f) for f in range(n_fragments)]
+        self._fix_parts(fragment_numel)
+
+    def _fix_parts(self, fragment_numel: tuple[int, ...]) -> None:
+        self.part_elems = self.config.parts_for(fragment_numel)
+        self.pool.max_idle_bytes = IDLE_PARTS * self.part_elems * 4
+        log.info("parts of %.2f MiB (%s)", self.part_elems * 4 / 2**20, f"--part-mib {self.part_elems / 2**18:g}"
+                 if self.config.part_elems else "--part-mib auto: about 1/128 of the largest fragment, 1-32 MiB")
 
     def adopt_table(self, fingerprint: str, fragments: list[FragmentRecord]) -> None:
         """Take a resumed run's fingerprint and fragment records (their buffers already adopted)."""
         self.fingerprint = fingerprint
         self.fragments = fragments
+        self._fix_parts(tuple(f.layout.numel if f.layout is not None else 0 for f in fragments))
         if self.initialised:
             self.log_budget()
 
@@ -220,7 +232,7 @@ class FragmentBook:
                  "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 2 per data-plane worker held "
                  "at once)", b["values"] / 2**20, b["momentum"] / 2**20,
                  "" if b["momentum"] else " (--outer-momentum 0: none)", b["sums"] / 2**20,
-                 self.config.max_open_rounds, sum(b.values()) / 2**20, self.config.part_elems * 4 / 2**20)
+                 self.config.max_open_rounds, sum(b.values()) / 2**20, self.part_elems * 4 / 2**20)
 
 
 def zeros(numel: int) -> torch.Tensor:

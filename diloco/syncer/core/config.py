@@ -8,7 +8,11 @@ A bad value fails here, at start, with a message naming the flag.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from diloco.wire.parts import auto_part_elems
+from diloco.wire.schema import DEFAULT_PART_ELEMS
 
 WEIGHTINGS = ("tokens", "steps", "equal")
 FLUSH_MERGES = ("mean", "outer")
@@ -48,8 +52,9 @@ class SyncerConfig:
             finish the run before a slow one has even connected (``--join-timeout-s``).
         max_fragments: upper bound on ``n_fragments`` a HELLO may declare; keeps
             a hostile HELLO from making the syncer allocate per-fragment state.
-        part_elems: elements per part of every fragment stream (``--part-mib`` x 2**18);
-            a multiple of 4096.
+        part_elems: elements per part of every fragment stream (``--part-mib`` x 2**18), a
+            multiple of 4096; 0 (the default, ``--part-mib auto``): chosen from the plan's
+            fragment sizes when the first HELLO fixes the layout (:meth:`parts_for`).
         max_fragment_bytes: fp32 bytes one fragment may hold (``--max-fragment-gib``); a
             plan above it is refused at HELLO with the fix.
         max_refusals: an island whose pushes are refused this many times in a row is
@@ -86,7 +91,7 @@ class SyncerConfig:
     final_timeout_s: float = 600.0
     join_timeout_s: float = 600.0
     max_fragments: int = 4096
-    part_elems: int = 8 << 20
+    part_elems: int = 0
     max_fragment_bytes: int = 32 << 30
     quant_block: int = 64
     max_refusals: int = 5
@@ -135,9 +140,9 @@ class SyncerConfig:
         need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")
         need(math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0, "--join-timeout-s", f"must be >= 0, got {self.join_timeout_s}")
         need(self.max_fragments >= 1, "max_fragments", "must be >= 1")
-        need(isinstance(self.part_elems, int) and self.part_elems > 0 and self.part_elems % 4096 == 0
-             and self.part_elems * 4 <= (128 << 20), "--part-mib", f"must give whole 16 KiB parts of at most 128 MiB, "
-             f"got {self.part_elems} elements")
+        need(isinstance(self.part_elems, int) and not isinstance(self.part_elems, bool) and (self.part_elems == 0 or (
+             self.part_elems > 0 and self.part_elems % 4096 == 0 and self.part_elems * 4 <= (128 << 20))),
+             "--part-mib", f"must be auto or give whole 16 KiB parts of at most 128 MiB, got {self.part_elems} elements")
         need(self.quant_block in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), "--quant-block",
              f"must be a power of two in [8, 4096], got {self.quant_block}")
         need(isinstance(self.max_refusals, int) and self.max_refusals >= 1, "--max-refusals",
@@ -157,6 +162,20 @@ class SyncerConfig:
         need(1 <= self.norm_clip_factor <= self.norm_hard_factor, "--norm-clip-factor",
              f"must be in [1, --norm-refuse-factor {self.norm_hard_factor:g}], got {self.norm_clip_factor}")
         need(self.max_fragment_bytes >= 4096, "--max-fragment-gib", f"must be > 0, got {self.max_fragment_bytes} bytes")
+
+    @property
+    def max_part_elems(self) -> int:
+        """The largest part of this run: the fixed ``--part-mib``, or the automatic size's cap
+        (what budgets and wire limits use before the layout is known)."""
+        return self.part_elems or DEFAULT_PART_ELEMS
+
+    def parts_for(self, fragment_numel: Sequence[int]) -> int:
+        """The run's part size for a plan of these fragment sizes: the fixed ``--part-mib``, or
+        :func:`diloco.wire.parts.auto_part_elems` under the default cap (the cap itself when no
+        size is known)."""
+        if self.part_elems or not any(fragment_numel):
+            return self.max_part_elems
+        return auto_part_elems(fragment_numel, DEFAULT_PART_ELEMS)
 
     @property
     def effective_quorum(self) -> int:

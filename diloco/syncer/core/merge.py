@@ -207,7 +207,7 @@ class Merge:
             return
         assert frag.layout is not None and frag.value is not None
         hyper = self.flush_hyper if r.flush else self.hyper
-        E = self.config.part_elems
+        E = self.book.part_elems
         n = frag.layout.n_parts(E)
         r.new_momentum = None
         fresh = frag.momentum is None  # a snapshot holds zeros of its own, not this buffer

@@ -71,7 +71,7 @@ class Pushes:
             raise Refused("bad_part", f"part {h.part} of {h.n_parts} is not a part index")
         frag = self.book.fragments[r.fragment]
         assert frag.layout is not None
-        E = self.config.part_elems
+        E = self.book.part_elems
         push = r.pushes.get(h.island)
         if h.part > 0 and push is None and rec.refused_push == (h.round, h.attempt):
             raise Refused("refused_push", f"part {h.part} of a refused push", quiet=True)

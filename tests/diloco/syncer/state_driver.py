@@ -84,9 +84,13 @@ class Driver:
 
     def __init__(self, config: SyncerConfig, *, syncer_id: int = 7, snapshot: Snapshot | None = None) -> None:
         self.st = Coordinator(config, syncer_id=syncer_id, snapshot=snapshot)
-        self.E = config.part_elems
         self.nonces: dict[bytes, int] = {}
         self.seqs: dict[bytes, int] = {}
+
+    @property
+    def E(self) -> int:
+        """The core's part size (fixed with the layout; the run's largest before)."""
+        return self.st.book.part_elems
 
     def send(self, peer: bytes, header: Any, tensors: Tensors = (), now: float = 0.0, *, run: bool = True) -> list[Out]:
         """Send as the island on ``peer`` would: stamped with that peer's session (HELLO: none)."""

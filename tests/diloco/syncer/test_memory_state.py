@@ -107,7 +107,7 @@ def test_a_resumed_state_knows_its_magnitudes_so_its_first_commit_updates_moment
     snap = store.load(store.save(d.st.snapshot()))
     st = Coordinator(d.st.config, snapshot=snap)
     f = st.fragments[0]
-    E = st.config.part_elems
+    E = st.book.part_elems
     for k in range(f.layout.n_parts(E)):
         lo, hi = f.layout.part_range(k, E)
         assert f.value_absmax[k] == float(f.value[lo:hi].abs().max())
