@@ -1,6 +1,7 @@
 """INIT's framing over bare zmq: what the transport and a syncer-like consumer cost (device probe).
 
     python scripts/probe_zmq_init.py [--gib 2.5] [--part-mib 8] [--window 2] [--rcvhwm 2] [--workers 4]
+                                     [--streams 1] [--sockbuf-mib 0]
 
 A sender process streams ``--gib`` GiB as INIT does: messages of one small header frame and
 ``--part-mib`` MiB of 1 MiB chunk frames, sent zero-copy from one buffer, at most ``--window``
@@ -9,7 +10,9 @@ messages in zmq's hands (``MessageTracker``s polled every millisecond, as ``wire
 drops each message (``--workers 0``: the transport alone) or, like the syncer's loop, hands
 message ``k`` to worker ``k mod workers``, which digests each chunk (xxh3) and copies it into a
 preallocated value, while the loop stops reading once two messages per worker are unfinished.
-Nothing of ``diloco`` runs, so ``scripts/probe_init.py``'s figure over this one is our own cost.
+``--streams N`` splits the parts over N sender processes, one connection each (part ``k`` on
+stream ``k mod N``; the receiver gets N zmq I/O threads); ``--sockbuf-mib`` sets ``SO_SNDBUF``
+and ``SO_RCVBUF`` on both ends (0: the kernel's autotuning). Nothing of ``diloco`` runs, so ``scripts/probe_init.py``'s figure over this one is our own cost.
 The last line is one JSON object (``gbps``; ``bytes_ok``: every byte arrived in place).
 """
 
@@ -31,14 +34,19 @@ import zmq
 CHUNK = 1 << 20
 
 
-def _sender(addr: str, total: int, part: int, window: int) -> None:
+def _sender(addr: str, total: int, part: int, window: int, stream: int = 0, streams: int = 1,
+            sockbuf: int = 0) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.SNDHWM, 64)
+    if sockbuf:
+        s.setsockopt(zmq.SNDBUF, sockbuf)
     s.connect(addr)
     buf = np.arange(total // 4, dtype=np.float32).view(np.uint8)
     inflight: list[zmq.MessageTracker] = []
     for k, lo in enumerate(range(0, total, part)):
+        if k % streams != stream:
+            continue
         while window and len(inflight) >= window:
             s.poll(1, zmq.POLLIN)  # the client's 1 ms wake-up
             inflight = [t for t in inflight if not t.done]
@@ -82,14 +90,18 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4, help="0: drop each message (the transport alone)")
     ap.add_argument("--touched", action="store_true",
                     help="fault the value's pages in first (the syncer's value is fresh: its first touch is INIT's)")
+    ap.add_argument("--streams", type=int, default=1, help="sender processes, one connection each")
+    ap.add_argument("--sockbuf-mib", type=int, default=0, help="SO_SNDBUF / SO_RCVBUF on both ends (0: kernel's)")
     ap.add_argument("--smoke", action="store_true", help="32 MiB: checks it runs (the suite)")
     a = ap.parse_args()
     if a.smoke:
         a.gib = 1 / 32
     part, total = a.part_mib << 20, int(a.gib * 2**30) // 4 * 4
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=a.streams)
     r = ctx.socket(zmq.ROUTER)
     r.setsockopt(zmq.RCVHWM, a.rcvhwm)
+    if a.sockbuf_mib:
+        r.setsockopt(zmq.RCVBUF, a.sockbuf_mib << 20)
     port = r.bind_to_random_port("tcp://127.0.0.1")
     value = np.empty(total, dtype=np.uint8)
     if a.touched:
@@ -101,14 +113,16 @@ def main() -> int:
     workers = [threading.Thread(target=_consume, args=(value, q, done, wake_w), daemon=True) for q in jobs]
     for w in workers:
         w.start()
-    sender = mp.get_context("spawn").Process(target=_sender, args=(f"tcp://127.0.0.1:{port}", total, part,
-                                                                     a.window))
-    sender.start()
+    senders = [mp.get_context("spawn").Process(target=_sender, args=(f"tcp://127.0.0.1:{port}", total, part, a.window,
+                                                                    i, a.streams, a.sockbuf_mib << 20))
+               for i in range(a.streams)]
+    for sender in senders:
+        sender.start()
     poller, held = zmq.Poller(), zmq.Poller()
     poller.register(r, zmq.POLLIN)
     poller.register(wake_r, zmq.POLLIN)
     held.register(wake_r, zmq.POLLIN)
-    unfinished, received, t0, ended = 0, 0, None, False
+    unfinished, received, t0, ended, ends = 0, 0, None, False, 0
     deadline = time.monotonic() + 600
     while not (ended and unfinished == 0):
         if time.monotonic() > deadline:
@@ -134,8 +148,9 @@ def main() -> int:
             if t0 is None:
                 t0 = time.monotonic()
             if msg[1].bytes == b"end":
-                ended = True
-                break
+                ends += 1
+                ended = ends == a.streams
+                continue
             k = int.from_bytes(msg[1].bytes[:8], "little")
             received += sum(len(f) for f in msg[2:])
             if a.workers:
@@ -144,14 +159,17 @@ def main() -> int:
     seconds = time.monotonic() - (t0 or time.monotonic())
     for q in jobs:
         q.put(None)
-    sender.join(timeout=60)
+    for sender in senders:
+        sender.join(timeout=60)
     expected = np.arange(total // 4, dtype=np.float32).view(np.uint8)
     ok = received == total and (a.workers == 0 or bool(np.array_equal(value, expected)))
     gbps = total / max(seconds, 1e-9) / 1e9
     print(f"{total / 2**30:.2f} GiB in {part >> 20} MiB messages, window {a.window}, RCVHWM {a.rcvhwm}, "
-          f"{a.workers or 'no'} workers: {seconds:.2f}s ({gbps:.2f} GB/s)")
+          f"{a.workers or 'no'} workers, {a.streams} streams, sockbuf {a.sockbuf_mib} MiB: {seconds:.2f}s "
+          f"({gbps:.2f} GB/s)")
     print(json.dumps({"gbps": round(gbps, 3), "seconds": round(seconds, 3), "bytes_ok": ok, "window": a.window,
-                      "rcvhwm": a.rcvhwm, "workers": a.workers, "part_mib": a.part_mib, "gib": a.gib}))
+                      "rcvhwm": a.rcvhwm, "workers": a.workers, "part_mib": a.part_mib, "gib": a.gib,
+                      "streams": a.streams, "sockbuf_mib": a.sockbuf_mib}))
     r.close(linger=0)
     ctx.term()
     return 0 if ok else 1

@@ -124,6 +124,8 @@ class SyncerLoop:
         """Set before ``run`` to feed the metrics endpoint (``metrics.py``): events and a tick per turn."""
         self.loop_stall_max_s = 0.0
         """Longest iteration of the control loop (for benchmarks and the status line)."""
+        self._room_part, self._room = 0, 0
+        """The part bytes the backlog room was last sized for, and that room (:meth:`_backlog_room`)."""
 
     # ------------------------------------------------------------------ data plane glue
 
@@ -238,6 +240,16 @@ class SyncerLoop:
         tracker = send_tracked(self.sock, [peer, *frames], zmq.NOBLOCK, track)
         self.bytes_out += frames_nbytes(frames)
         return tracker
+
+    def _backlog_room(self) -> int:
+        """Received part bytes the data plane may hold when the loop reads one more message: a whole
+        part must fit under ``LoopOptions.backlog_cap`` (zmq holds ``rcvhwm`` more per island). It
+        follows the part size the layout fixed; the budget is logged whenever that size is new."""
+        part = self.state.book.part_elems * 4
+        if part != self._room_part:
+            self._room_part, self._room = part, self.options.backlog_cap(part) - part
+            log.info("received parts: %s", self.options.frames_budget(self.state.config.islands, part))
+        return self._room
 
     def _stream(self, o: OutStream) -> Stream | None:
         """A paced stream of the parts of one BCAST/FINAL (``payloads.py``: shared fp32 views, bf16 on demand)."""
@@ -370,10 +382,6 @@ class SyncerLoop:
         held.register(self._wake_r, zmq.POLLIN)
         held.register(self.listener.guard.monitor, zmq.POLLIN)
         limits = self._limits()
-        # Received parts held for the data plane (LoopOptions.backlog_cap); zmq holds at most
-        # ``rcvhwm`` more per island. A message is read only while a whole one fits under the cap.
-        room = self.options.backlog_cap(limits.max_message_bytes) - limits.max_message_bytes
-        log.info("received parts: %s", self.options.frames_budget(self.state.config.islands, limits.max_message_bytes))
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():
@@ -390,13 +398,14 @@ class SyncerLoop:
                     except ValueError as e:
                         log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
+                room = self._backlog_room()
                 full = self.data.backlog_bytes > room
                 (held if full else poller).poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()
                 self.listener.guard.service(t0)
                 outgoing = self._take_results(t0)
                 for _ in range(self.options.max_batch):
-                    if self.data.backlog_bytes > room:
+                    if self.data.backlog_bytes > self._backlog_room():
                         break  # back-pressure: let the data plane catch up first
                     try:
                         outgoing.extend(self._receive(time.monotonic(), limits))

@@ -25,3 +25,30 @@ def test_frames_budget_counts_zmq_per_island_and_the_backlog() -> None:
     assert "3 messages of up to 32.0 MiB per connection, 2 islands" in line and "backlog 128.0 MiB" in line
     assert LoopOptions(data_threads=1, rcvhwm=2).frames_budget(2, 8 * MIB).startswith("at most 64.0 MiB held")
     assert "unbounded" in LoopOptions(rcvhwm=0).frames_budget(2, 8 * MIB)
+
+
+def test_the_loops_backlog_room_follows_the_part_size_the_layout_fixed(caplog) -> None:
+    """Under ``--part-mib auto`` the loop starts sized for the 32 MiB cap; once the first HELLO fixes
+    a smaller part the room (and the logged budget) shrink with it, so a 1 MiB part size does not
+    let 64 parts queue where 2 per worker were meant."""
+    import logging
+
+    import zmq
+
+    from diloco.syncer.core.config import SyncerConfig
+    from diloco.syncer.core.coordinator import Coordinator
+    from diloco.syncer.loop import SyncerLoop
+
+    opts = LoopOptions(bind="tcp://127.0.0.1:*", data_threads=1, max_backlog_bytes=128 * MIB)
+    ctx = zmq.Context()
+    loop = SyncerLoop(Coordinator(SyncerConfig(islands=2, sync_every=2)), opts, context=ctx)
+    try:
+        with caplog.at_level(logging.INFO, logger="diloco.syncer.loop"):
+            assert loop._backlog_room() == BACKLOG_PARTS * 32 * MIB - 32 * MIB
+            loop.state.book.fix_layout("f" * 16, 4, (32 << 20,) * 4)  # 128 MiB fragments: 1 MiB parts
+            assert loop._backlog_room() == BACKLOG_PARTS * MIB - MIB
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("received parts")]
+        assert len(logged) == 2 and "of up to 1.0 MiB per connection" in logged[1]
+    finally:
+        loop.close()
+        ctx.term()
