@@ -8,16 +8,16 @@ payload work to this pool as :class:`Work` items:
 * :class:`FoldPart`: verify a PUSH part's chunk digests, check it is finite, and fold
   ``weight * delta`` into the round's running fp32 sum (:class:`RoundSum`);
 * :class:`InitPart`: verify an INIT part and copy it into the fragment's value;
-* :class:`CommitPart`: the outer Nesterov step on one part, written out of place
-  into the sum buffer (which becomes the next published value), then the
-  fp32 broadcast payload of that part is made (zero-copy views and their digests);
+* :class:`CommitPart`: the outer Nesterov step on a span of parts (32 MiB or one part),
+  written out of place into the sum buffer (which becomes the next published value),
+  and the fp32 broadcast payload of each part (zero-copy views and their digests);
 * :class:`EncodePart`: encode one part of a value that has no payload yet (an fp32 cut
   after a resume; every bf16 part, on demand as its stream reaches it).
 
 Ordering: work on part ``k`` always runs on worker ``k mod threads``, whose queue is
 FIFO.  So the folds of one part run in the order the loop dispatched them (the
 fold order the event log records, which the numpy reference replays).  Commits run on
-a second set of ``threads`` workers (commit part ``k`` on commit worker ``k mod
+a second set of ``threads`` workers (commit span ``j`` on commit worker ``j mod
 threads``): the state starts a commit only once every fold of its round has returned
 (``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
 other fragments' rounds never queue behind a commit.  A commit is on the critical path
@@ -168,17 +168,28 @@ def init_part(w: InitPart) -> float:
     return vmax
 
 
-def commit_part(w: CommitPart, scratch: Scratch) -> tuple[dict[str, Payload], tuple[float, float]]:
-    """The outer step on elements ``[lo, hi)`` (``kernels.outer_step``), out of place into the sum,
-    one wire chunk at a time, each chunk's digest taken while the chunk is still in cache: the fp32
-    broadcast payload of the part comes out of the same pass (bit for bit what ``encode_payload``
-    makes of the part's views). Any other dtype asked for is encoded after it."""
+def commit_part(w: CommitPart, scratch: Scratch) -> list[tuple[dict[str, Payload], tuple[float, float]]]:
+    """The outer step on the parts ``[w.part, w.part + w.parts)``, part by part (:func:`commit_one`);
+    per part its payloads and magnitudes. A part whose result is not finite refuses the whole item
+    (WireError): the state drops the commit."""
+    out = []
+    for k in range(w.part, w.part + w.parts):
+        lo, hi = w.layout.part_range(k, w.part_elems)
+        out.append(commit_one(w, k, lo, hi, scratch))
+    return out
+
+
+def commit_one(w: CommitPart, k: int, lo: int, hi: int, scratch: Scratch) -> tuple[dict[str, Payload], tuple[float, float]]:
+    """The outer step on part ``k``, elements ``[lo, hi)`` (``kernels.outer_step``), out of place into
+    the sum, one wire chunk at a time, each chunk's digest taken while the chunk is still in cache:
+    the fp32 broadcast payload of the part comes out of the same pass (bit for bit what
+    ``encode_payload`` makes of the part's views). Any other dtype asked for is encoded after it."""
     mu = float(w.hyper.momentum)
     elems = DEFAULT_CHUNK_BYTES // 4
     vmax = mmax = 0.0
     metas: list[TensorMeta] = []
     frames: list[memoryview] = []
-    for i, a, b in w.layout.segments(w.lo, w.hi):
+    for i, a, b in w.layout.segments(lo, hi):
         start = w.layout.starts[i]
         digests = []
         for p in range(start + a, start + b, elems):
@@ -193,11 +204,11 @@ def commit_part(w: CommitPart, scratch: Scratch) -> tuple[dict[str, Payload], tu
     if w.check and (vmax == math.inf or mmax == math.inf or vmax != vmax):
         # A huge (finite) delta can overflow the merged value: refuse the commit. The value (and
         # a pinned momentum) were written out of place, so the state drops it having changed nothing.
-        raise WireError(f"the outer step's result is not finite in elements [{w.lo}, {w.hi})")
-    payloads = {"float32": Payload(tuple(metas), tuple(frames), DEFAULT_CHUNK_BYTES, (w.hi - w.lo) * 4)}
+        raise WireError(f"the outer step's result is not finite in elements [{lo}, {hi})")
+    payloads = {"float32": Payload(tuple(metas), tuple(frames), DEFAULT_CHUNK_BYTES, (hi - lo) * 4)}
     for dtype in w.encode_dtypes:
         if dtype not in payloads:
-            payloads[dtype] = encode_part_payload(w.sum.flat, w.layout, w.part, w.part_elems, dtype, w.seed)
+            payloads[dtype] = encode_part_payload(w.sum.flat, w.layout, k, w.part_elems, dtype, w.seed)
     return payloads, (vmax, mmax) if w.check else (math.nan, math.nan)
 
 
@@ -256,7 +267,8 @@ class DataPlane:
             self._pending += 1
             self._pending_bytes += _received_bytes(work)
             self._commits += commit
-        (self._commit_queues if commit else self._queues)[work.part % self.threads].put(work)
+        lane = work.part // work.parts if isinstance(work, CommitPart) else work.part  # commit spans: by span
+        (self._commit_queues if commit else self._queues)[lane % self.threads].put(work)
 
     def close(self) -> None:
         with self._fold_turn:
@@ -343,7 +355,7 @@ def run_work(work: Work, scratch: Scratch | None = None) -> Result:
                 # Frames come from the heap (``hostmem``): give back the pages of those freed since
                 # the last commit before this commit's peak (values + sum), once per commit.
                 trim_heap()
-            result.payloads, result.absmax = commit_part(work, scratch)
+            result.parts = commit_part(work, scratch)
         elif isinstance(work, DigestFragment):
             result.digest = tensor_digest(work.layout.flat_views(work.value))
         else:

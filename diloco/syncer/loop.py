@@ -154,13 +154,14 @@ class SyncerLoop:
                 if result.payloads:  # a part of one bf16 stream (``_on_demand``)
                     work.sink[work.part] = result.payloads[work.dtype]
                 continue
-            if isinstance(work, (CommitPart, EncodePart)) and result.payloads:
+            made = [result.payloads] if isinstance(work, EncodePart) else [p for p, _ in result.parts]
+            if isinstance(work, (CommitPart, EncodePart)) and any(made):
                 frag = self.state.fragments[work.fragment]
                 assert frag.layout is not None
                 n = frag.layout.n_parts(self.state.book.part_elems)
-                version = work.version
-                for dtype, payload in result.payloads.items():
-                    self._cache.put(work.fragment, version, dtype, n, work.part, payload)
+                for k, payloads in enumerate(made, start=work.part):
+                    for dtype, payload in payloads.items():
+                        self._cache.put(work.fragment, work.version, dtype, n, k, payload)
             if not isinstance(work, EncodePart):
                 out.extend(self.state.on_result(result, now))
 

@@ -108,10 +108,13 @@ def test_fold_and_commit_parts_bitwise_across_parts_blocks_and_commits(dtype: to
         new_m = torch.empty(LAYOUT.numel) if commit == 1 else None
         old_m = momentum.clone()
         results = []
-        for k in reversed(range(N_PARTS)):  # parts are independent
-            lo, hi = LAYOUT.part_range(k, PART)
+        span = 1 + commit % 2  # commit work items of one part, then of two parts each (the last may hold one)
+        for k in reversed(range(0, N_PARTS, span)):  # spans are independent
+            parts = min(span, N_PARTS - k)
+            lo, hi = LAYOUT.part_range(k, PART)[0], LAYOUT.part_range(k + parts - 1, PART)[1]
             results.append(run_work(CommitPart(commit + 1, 0, k, lo, hi, value, momentum, new_m, rs, sum(ws.values()),
-                                               hyper, LAYOUT, PART, ("float32", "bfloat16"), commit + 1)))
+                                               hyper, LAYOUT, PART, ("float32", "bfloat16"), commit + 1, parts=parts)))
+            assert len(results[-1].parts) == parts
         assert all(r.error is None for r in results)
         nv, nm = reference(nv, nm, flat, ws, orders, lr, mu)
         new_value = rs.flat  # written out of place, where the sum was
@@ -122,10 +125,11 @@ def test_fold_and_commit_parts_bitwise_across_parts_blocks_and_commits(dtype: to
         else:
             assert bitwise(momentum.numpy(), nm)
         # The broadcast payloads of each part: fp32 exactly the new value, bf16 its rounding.
-        for r in results:
-            k = r.work.part
+        made = [(k, payloads) for r in results for k, (payloads, _absmax) in enumerate(r.parts, start=r.work.part)]
+        assert sorted(k for k, _ in made) == list(range(N_PARTS))
+        for k, payloads in made:
             lo, hi = LAYOUT.part_range(k, PART)
-            for wire_dtype, payload in r.payloads.items():
+            for wire_dtype, payload in payloads.items():
                 msg = decode(seal(Bcast(fragment=0, version=commit + 1, round=commit + 1, cut=False, part=k,
                                         n_parts=N_PARTS), payload))
                 got = torch.cat([t.reshape(-1) for _, t in msg.tensors])

@@ -30,7 +30,7 @@ from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.robustrules import judge_unjudged
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
-from diloco.syncer.core.work import CommitPart, FoldPart, Result
+from diloco.syncer.core.work import CommitPart, FoldPart, Result, commit_span
 from diloco.wire import Error
 
 log = logging.getLogger("diloco.syncer.core")
@@ -194,7 +194,7 @@ class Merge:
         return False
 
     def start_commit(self, r: RoundRecord, now: float, out: list[Out]) -> None:
-        """Merge a closed round on the data plane, one CommitPart per part (an attempt judged by nothing
+        """Merge a closed round on the data plane, one CommitPart per span of parts (an attempt judged by nothing
         whose weights exceed the cap is re-pulled instead: ``robustrules.judge_unjudged``)."""
         unjudged = judge_unjudged(self.config, self.recovery.reference, self.journal, r, now)
         if unjudged is not None:
@@ -233,11 +233,13 @@ class Merge:
         r.commit_started = now
         r.commit_absmax = [(0.0, 0.0)] * n
         frag.committing = True
-        for k in range(n):
-            lo, hi = frag.layout.part_range(k, E)
+        span = commit_span(E)
+        for k in range(0, n, span):
+            parts = min(span, n - k)
+            lo, hi = frag.layout.part_range(k, E)[0], frag.layout.part_range(k + parts - 1, E)[1]
             self.journal.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum,
                                                 r.new_momentum, r.sum, total, hyper, frag.layout, E, dtypes,
-                                                frag.version + 1, self.digest_seed, check))
+                                                frag.version + 1, self.digest_seed, check, parts))
 
     def on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         """One part of a commit done; after the last, the round commits (or, when a part was not
@@ -246,11 +248,12 @@ class Merge:
         if r is None or r.sum is not work.sum:
             return
         if result.error:
-            log.error("commit of round %d part %d refused: %s", work.round, work.part, result.error)
+            log.error("commit of round %d parts %d-%d refused: %s", work.round, work.part, work.part + work.parts - 1,
+                      result.error)
             r.commit_failed = r.commit_failed or result.error
         else:
-            r.commit_absmax[work.part] = result.absmax
-        r.commit_parts_left -= 1
+            r.commit_absmax[work.part:work.part + work.parts] = [absmax for _payloads, absmax in result.parts]
+        r.commit_parts_left -= work.parts
         if r.commit_parts_left == 0 and r.commit_failed:
             self.recovery.drop_commit(r, now, out)
         elif r.commit_parts_left == 0:

@@ -19,7 +19,7 @@ from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["CommitPart", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
+__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
 
 
 @dataclass
@@ -75,6 +75,17 @@ class InitPart:
     value: torch.Tensor
 
 
+COMMIT_SPAN_ELEMS = 8 << 20
+"""Elements one commit work item covers at least (32 MiB of fp32, whole parts): a commit reads
+resident buffers, so it is cut for few large kernels and few results to the loop, not by the
+wire's part size (``--part-mib auto`` gives parts from 1 MiB)."""
+
+
+def commit_span(part_elems: int) -> int:
+    """Parts per commit work item for parts of ``part_elems`` elements (at least one)."""
+    return max(1, COMMIT_SPAN_ELEMS // part_elems)
+
+
 @dataclass
 class CommitPart:
     round: int
@@ -100,6 +111,10 @@ class CommitPart:
     check: bool = True
     """Measure the result (finite, largest magnitudes); False when the state proved it finite
     (``kernels.step_bounds``) and keeps the bounds itself."""
+    parts: int = 1
+    """Consecutive parts ``[part, part + parts)`` this item commits (``lo``/``hi`` span them all):
+    one work item covers :data:`COMMIT_SPAN_ELEMS` whatever the part size, and each part still
+    gets its own payload and magnitudes (``Result.parts``)."""
 
 
 @dataclass
@@ -148,5 +163,7 @@ class Result:
     seconds: float = 0.0
     digest: str | None = None
     absmax: tuple[float, float] = (math.inf, math.inf)
-    """``max |value|`` and ``max |momentum|`` over the part written (INIT, a checked commit); ``nan``:
-    not measured (an unchecked commit)."""
+    """``max |value|`` and ``max |momentum|`` over the part written (INIT); ``inf``: not measured."""
+    parts: list[tuple[dict[str, Payload], tuple[float, float]]] = field(default_factory=list)
+    """A commit: per part of its span, in order, the broadcast payloads and ``(max |value|,
+    max |momentum|)`` of the result (``nan``: not measured, an unchecked commit)."""

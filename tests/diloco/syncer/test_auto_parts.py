@@ -100,3 +100,11 @@ def test_a_bad_part_mib_exits_2_naming_it(value: str, caplog) -> None:
     with caplog.at_level(logging.ERROR):
         assert main(["--bind", "tcp://127.0.0.1:*", "--islands", "1", "--insecure", "--part-mib", value]) == EXIT_CONFIG
     assert "--part-mib" in caplog.text
+
+
+def test_a_commit_work_item_spans_32_mib_of_parts_whatever_the_part_size() -> None:
+    from diloco.syncer.core.work import COMMIT_SPAN_ELEMS, commit_span
+
+    assert COMMIT_SPAN_ELEMS == 32 * MIB
+    assert [commit_span(p * MIB) for p in (1, 4, 16, 32, 128)] == [32, 8, 2, 1, 1]
+    assert commit_span(4096) == 32 * MIB // 4096
