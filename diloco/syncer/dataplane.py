@@ -292,6 +292,10 @@ class DataPlane:
             try:
                 result = run_work(work, scratch)
             finally:  # run_work never raises; the counters must hold whatever ends this worker
+                if isinstance(work, (FoldPart, InitPart)):
+                    # The frames go now, not when the loop takes the result: the loop may read more
+                    # parts before it does, and the backlog no longer counts these.
+                    work.opened.release()
                 with self._lock:
                     self._pending -= 1
                     self._pending_bytes -= _received_bytes(work)

@@ -153,10 +153,22 @@ class Opened:
         self.metas: tuple[TensorMeta, ...] = tuple(p.meta for p in planned)
         self._sizes = [p.nbytes for p in planned]
         self.nbytes: int = sum(self._sizes)
-        self._chunks = chunks
+        self._chunks: list[memoryview] | None = chunks
+
+    def release(self) -> None:
+        """Let go of the received frames once the payload was read: reading the payload after this
+        raises (the header, metas and sizes stay)."""
+        self._chunks = None
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` let go of the frames."""
+        return self._chunks is None
 
     def _jobs(self) -> list[tuple[int, int, int, memoryview, int]]:
         """(tensor index, chunk index in tensor, byte offset in tensor, chunk, digest) for every chunk."""
+        if self._chunks is None:
+            raise RuntimeError("the payload of this message was released")
         jobs = []
         j = 0
         for i, meta in enumerate(self.metas):

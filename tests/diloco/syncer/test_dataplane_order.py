@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def _fold(part: int) -> FoldPart:
     s = RoundSum(round=2, attempt=0, fragment=1, flat=torch.zeros(4), n_parts=1)
-    return FoldPart(sum=s, part=part, lo=0, opened=types.SimpleNamespace(nbytes=16), weight=1, island=0)  # type: ignore[arg-type]
+    return FoldPart(sum=s, part=part, lo=0, opened=types.SimpleNamespace(nbytes=16, release=lambda: None), weight=1, island=0)  # type: ignore[arg-type]
 
 
 def _commit(part: int) -> CommitPart:
