@@ -25,8 +25,9 @@ MAX_DIGEST_CHARS: int = 64
 """Longest digest string a HELLO may claim per fragment (``tensor_digest`` is 32 hex chars)."""
 
 DEFAULT_PART_ELEMS: int = 8 << 20
-"""Elements per part of a fragment stream (32 MiB of fp32): the syncer's ``--part-mib`` sets it
-and WELCOME tells islands.  A multiple of ``PART_ALIGN_ELEMS``."""
+"""Elements per part of a fragment stream at most under the syncer's ``--part-mib auto`` (32 MiB of
+fp32), and an island's assumption until WELCOME tells it the run's size.  A multiple of
+``PART_ALIGN_ELEMS``."""
 
 PART_ALIGN_ELEMS: int = 4096
 """Part boundaries are multiples of this many elements, so block-quantized payloads never
