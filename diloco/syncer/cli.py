@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -141,8 +142,8 @@ def _part_elems(part_mib: str) -> int:
     try:
         elems = float(part_mib) * 2**18
     except ValueError:
-        elems = float("nan")
-    if not elems == elems or elems <= 0 or elems != int(elems):
+        elems = math.nan
+    if not math.isfinite(elems) or elems <= 0 or elems != int(elems):
         raise ConfigError(f"--part-mib: must be auto or a positive multiple of 1/64 MiB, got {part_mib}")
     return int(elems)
 

@@ -56,7 +56,8 @@ from diloco.digest import tensor_digest
 from diloco.hostmem import trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
-from diloco.syncer.core.work import CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work
+from diloco.syncer.core.work import (CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work,
+                                     commit_span)
 from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
 from diloco.wire.chunks import wire_bytes
 from diloco.wire.parts import FragmentLayout
@@ -267,8 +268,7 @@ class DataPlane:
             self._pending += 1
             self._pending_bytes += _received_bytes(work)
             self._commits += commit
-        lane = work.part // work.parts if isinstance(work, CommitPart) else work.part  # commit spans: by span
-        (self._commit_queues if commit else self._queues)[lane % self.threads].put(work)
+        (self._commit_queues if commit else self._queues)[lane(work) % self.threads].put(work)
 
     def close(self) -> None:
         with self._fold_turn:
@@ -316,6 +316,14 @@ class DataPlane:
             self._fold_turn.wait_for(lambda: not self._commits or not self._folding or self._closing,
                                      timeout=FOLD_YIELD_S)
             self._folding += 1
+
+
+def lane(work: Work) -> int:
+    """Which worker (modulo the pool's size) runs ``work``: part ``k``'s, or for a commit its span's
+    index (spans start at multiples of ``commit_span``; a fragment's last one may be shorter)."""
+    if isinstance(work, CommitPart):
+        return work.part // commit_span(work.part_elems)
+    return work.part
 
 
 def _received_bytes(work: Work) -> int:

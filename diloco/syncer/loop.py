@@ -172,9 +172,9 @@ class SyncerLoop:
     # ------------------------------------------------------------------ steps
 
     def _limits(self) -> Limits:
-        """Wire limits: a message is at most one part of fp32, of the largest size this run may use
-        (pushes.py refuses a part that does not fit the layout's cut)."""
-        part = self.state.config.max_part_elems * 4
+        """Wire limits: a message is at most one part of fp32 (the run's part size once the layout is
+        fixed, the largest it may be before; pushes.py refuses a part that does not fit the cut)."""
+        part = self.state.book.part_elems * 4
         lim = self.options.limits
         return Limits(
             max_header_bytes=lim.max_header_bytes, max_tensors=lim.max_tensors,
@@ -382,7 +382,6 @@ class SyncerLoop:
         held = zmq.Poller()
         held.register(self._wake_r, zmq.POLLIN)
         held.register(self.listener.guard.monitor, zmq.POLLIN)
-        limits = self._limits()
         try:
             while not self.state.finished:
                 if self.stop_event.is_set():
@@ -400,6 +399,7 @@ class SyncerLoop:
                         log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
                 room = self._backlog_room()
+                limits = self._limits()
                 full = self.data.backlog_bytes > room
                 (held if full else poller).poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()

@@ -123,6 +123,11 @@ class Admission:
         if h.part == 0:
             schema = check_schema(h.schema, self.config.max_fragment_bytes, f"INIT fragment {h.fragment}")
             layout = FragmentLayout.of([(n, s) for n, _d, s in schema])
+            declared = self.book.declared_numel
+            if declared and layout.numel != declared[h.fragment]:
+                # The part size was fixed from the declared sizes; a resume fixes it from the real ones.
+                raise Refused("fragments_mismatch", f"INIT fragment {h.fragment} holds {layout.numel} elements, "
+                                                    f"the HELLO that fixed the layout declared {declared[h.fragment]}")
         else:
             if h.schema:
                 raise Refused("bad_schema", f"INIT part {h.part} carries a schema; only part 0 does")

@@ -70,6 +70,9 @@ class FragmentBook:
         self.peak_bytes = 0
         self.fingerprint: str | None = None
         """Layout fingerprint fixed by the first HELLO (or the checkpoint)."""
+        self.declared_numel: tuple[int, ...] = ()
+        """Fragment sizes the HELLO that fixed the layout declared (empty: none, or resumed); INIT
+        must match them, so the part size chosen from them is the one a resume chooses."""
         self.fragments: list[FragmentRecord] = []
         """One record per fragment of the plan, in fragment order (empty until the layout is fixed)."""
         self.pinned: set[int] = set()
@@ -100,6 +103,7 @@ class FragmentBook:
         size (``SyncerConfig.parts_for`` of the sizes it declared)."""
         self.fingerprint = fingerprint
         self.fragments = [FragmentRecord(index=f) for f in range(n_fragments)]
+        self.declared_numel = fragment_numel
         self._fix_parts(fragment_numel)
 
     def _fix_parts(self, fragment_numel: tuple[int, ...]) -> None:

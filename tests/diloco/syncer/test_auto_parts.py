@@ -16,7 +16,7 @@ from diloco.wire import PROTOCOL_VERSION, Hello
 from diloco.wire.parts import AUTO_MIN_PART_ELEMS, FragmentLayout, auto_part_elems, check_part_elems
 from diloco.wire.schema import DEFAULT_PART_ELEMS
 
-from state_driver import Driver, bitwise, init_parts
+from state_driver import Driver, bitwise, errors, init_parts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,7 +95,7 @@ def test_part_mib_flag() -> None:
     assert _part_elems("0.015625") == 4096
 
 
-@pytest.mark.parametrize("value", ["x", "0", "-1", "nan", "0.001"])
+@pytest.mark.parametrize("value", ["x", "0", "-1", "nan", "inf", "1e308", "0.001"])
 def test_a_bad_part_mib_exits_2_naming_it(value: str, caplog) -> None:
     with caplog.at_level(logging.ERROR):
         assert main(["--bind", "tcp://127.0.0.1:*", "--islands", "1", "--insecure", "--part-mib", value]) == EXIT_CONFIG
@@ -108,3 +108,28 @@ def test_a_commit_work_item_spans_32_mib_of_parts_whatever_the_part_size() -> No
     assert COMMIT_SPAN_ELEMS == 32 * MIB
     assert [commit_span(p * MIB) for p in (1, 4, 16, 32, 128)] == [32, 8, 2, 1, 1]
     assert commit_span(4096) == 32 * MIB // 4096
+
+
+def test_init_must_hold_the_sizes_the_hello_that_fixed_the_parts_declared() -> None:
+    """The part size comes from the declared sizes and a resume recomputes it from the real ones:
+    an island 0 that declared other sizes than it sends is refused, so both agree."""
+    d = Driver(SyncerConfig(islands=1, sync_every=2))
+    d.send(b"p0", hello(0, (300 * MIB,)))  # 300 Mi elements declared: 2 MiB parts
+    t = [("w", torch.zeros(5000))]
+    out = d.send_all(b"p0", init_parts(0, 1, t, d.E, generation=1))
+    assert "fragments_mismatch" in errors(out) and not d.st.fragments[0].initialised
+
+
+def test_commit_spans_spread_over_workers_even_when_the_last_is_short() -> None:
+    from diloco.syncer.core.work import CommitPart, commit_span
+    from diloco.syncer.dataplane import lane
+
+    E = AUTO_MIN_PART_ELEMS
+    span = commit_span(E)
+
+    def commit(part: int, parts: int) -> CommitPart:
+        return CommitPart(round=1, fragment=0, part=part, lo=part * E, hi=(part + parts) * E, value=torch.zeros(1),
+                          momentum=None, new_momentum=None, sum=None, total_weight=1, hyper=None,  # type: ignore[arg-type]
+                          layout=None, part_elems=E, encode_dtypes=(), version=1, parts=parts)  # type: ignore[arg-type]
+
+    assert [lane(commit(0, span)), lane(commit(span, 2)), lane(commit(2 * span, 1))] == [0, 1, 2]
