@@ -251,7 +251,7 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5, part
         for k in range(n_parts):
             lo, hi = layout.part_range(k, part_elems)
             # check=False: the syncer proves the step finite from its magnitude bounds (kernels.step_bounds)
-            run_work(CommitPart(1, 0, k, lo, hi, state["value"], mom, None, rs, sum(weights), hyper, layout,
+            run_work(CommitPart(1, 0, k, state["value"], mom, None, rs, sum(weights), hyper, layout,
                                 part_elems, ("float32",), 1, check=False))
         state["spare"], state["value"] = state["value"], rs.flat
 

@@ -126,6 +126,8 @@ class SyncerLoop:
         """Longest iteration of the control loop (for benchmarks and the status line)."""
         self._room_part, self._room = 0, 0
         """The part bytes the backlog room was last sized for, and that room (:meth:`_backlog_room`)."""
+        self._wire_limits = self._limits(state.book.part_elems * 4)
+        """The wire limits for that part size (:meth:`_backlog_room` refreshes them)."""
 
     # ------------------------------------------------------------------ data plane glue
 
@@ -171,10 +173,9 @@ class SyncerLoop:
 
     # ------------------------------------------------------------------ steps
 
-    def _limits(self) -> Limits:
-        """Wire limits: a message is at most one part of fp32 (the run's part size once the layout is
-        fixed, the largest it may be before; pushes.py refuses a part that does not fit the cut)."""
-        part = self.state.book.part_elems * 4
+    def _limits(self, part: int) -> Limits:
+        """Wire limits: a message is at most ``part`` bytes, one part of fp32 (the run's part size once
+        the layout is fixed, the largest it may be before; pushes.py refuses a part off the cut)."""
         lim = self.options.limits
         return Limits(
             max_header_bytes=lim.max_header_bytes, max_tensors=lim.max_tensors,
@@ -249,6 +250,7 @@ class SyncerLoop:
         part = self.state.book.part_elems * 4
         if part != self._room_part:
             self._room_part, self._room = part, self.options.backlog_cap(part) - part
+            self._wire_limits = self._limits(part)
             log.info("received parts: %s", self.options.frames_budget(self.state.config.islands, part))
         return self._room
 
@@ -399,7 +401,7 @@ class SyncerLoop:
                         log.error("SIGHUP: cannot re-read the island keys, keeping the old ones: %s", e)
                 busy = self._pacer.pending() > 0
                 room = self._backlog_room()
-                limits = self._limits()
+                limits = self._wire_limits
                 full = self.data.backlog_bytes > room
                 (held if full else poller).poll(1 if busy else self.options.poll_ms)
                 t0 = time.monotonic()

@@ -112,7 +112,7 @@ def test_fold_and_commit_parts_bitwise_across_parts_blocks_and_commits(dtype: to
         for k in reversed(range(0, N_PARTS, span)):  # spans are independent
             parts = min(span, N_PARTS - k)
             lo, hi = LAYOUT.part_range(k, PART)[0], LAYOUT.part_range(k + parts - 1, PART)[1]
-            results.append(run_work(CommitPart(commit + 1, 0, k, lo, hi, value, momentum, new_m, rs, sum(ws.values()),
+            results.append(run_work(CommitPart(commit + 1, 0, k, value, momentum, new_m, rs, sum(ws.values()),
                                                hyper, LAYOUT, PART, ("float32", "bfloat16"), commit + 1, parts=parts)))
             assert len(results[-1].parts) == parts
         assert all(r.error is None for r in results)

@@ -81,13 +81,10 @@ def restore(snap: Snapshot, config: SyncerConfig, book: FragmentBook, rounds: Ro
     if snap.next_round < 1:
         raise ValueError(f"checkpoint next_round {snap.next_round} < 1")
     frags: list[FragmentRecord] = []
-    layouts = []
     for idx, fs in enumerate(snap.fragments):
         if not fs.schema:
             raise ValueError(f"checkpoint fragment {idx}: empty schema")
-        layouts.append(FragmentLayout.of([(n, s) for n, _d, s in fs.schema]))
-    E = config.parts_for(tuple(lay.numel for lay in layouts))  # what adopt_table fixes
-    for idx, (fs, layout) in enumerate(zip(snap.fragments, layouts)):
+        layout = FragmentLayout.of([(n, s) for n, _d, s in fs.schema])
         for t in (fs.value, fs.momentum):
             if t.dtype != torch.float32 or tuple(t.shape) != (layout.numel,):
                 raise ValueError(f"checkpoint fragment {idx}: {t.dtype} {tuple(t.shape)}, expected "
@@ -95,16 +92,10 @@ def restore(snap: Snapshot, config: SyncerConfig, book: FragmentBook, rounds: Ro
         # Rounds before next_round are committed: fragment idx's last is the largest such
         # t with (t − 1) mod P == idx (rounds run fragments in turn).
         last = snap.next_round - 1 - ((snap.next_round - 2 - idx) % snap.n_fragments)
-        n_parts = layout.n_parts(E)
         momentum = book.adopt(fs.momentum.contiguous()) if config.outer_momentum > 0 else None
-        # Magnitudes measured once here (the commit's overflow bound needs them, or its first commit
-        # would write the momentum beside the old one: one more fragment buffer).
         value = book.adopt(fs.value.contiguous())
         frags.append(FragmentRecord(index=idx, schema=fs.schema, layout=layout, value=value,
-                                    momentum=momentum, version=fs.version, initialised=True, round=max(0, last),
-                                    value_absmax=part_absmax(value, layout, E),
-                                    momentum_absmax=part_absmax(momentum, layout, E)
-                                    if momentum is not None else [0.0] * n_parts))
+                                    momentum=momentum, version=fs.version, initialised=True, round=max(0, last)))
     for island, led in snap.ledgers.items():
         if 0 <= island < config.islands:
             ledger = sessions.islands[island].ledger
@@ -112,7 +103,14 @@ def restore(snap: Snapshot, config: SyncerConfig, book: FragmentBook, rounds: Ro
     saved = snap.hyper.get("key_bindings", {})
     if isinstance(saved, dict):
         sessions.gate.restore(saved)
-    book.adopt_table(snap.fingerprint, frags)
+    book.adopt_table(snap.fingerprint, frags)  # fixes the part size from the layouts
+    # Magnitudes per part measured once here (the commit's overflow bound needs them, or its first
+    # commit would write the momentum beside the old one: one more fragment buffer).
+    for f in frags:
+        assert f.layout is not None and f.value is not None
+        f.value_absmax = part_absmax(f.value, f.layout, book.part_elems)
+        f.momentum_absmax = (part_absmax(f.momentum, f.layout, book.part_elems) if f.momentum is not None
+                             else [0.0] * f.layout.n_parts(book.part_elems))
     rounds.resume_at(snap.next_round)
     log.info("resumed: %d fragments at versions %s, next round %d", len(frags), list(book.versions()),
              snap.next_round)

@@ -235,11 +235,9 @@ class Merge:
         frag.committing = True
         span = commit_span(E)
         for k in range(0, n, span):
-            parts = min(span, n - k)
-            lo, hi = frag.layout.part_range(k, E)[0], frag.layout.part_range(k + parts - 1, E)[1]
-            self.journal.work.append(CommitPart(r.round, r.fragment, k, lo, hi, frag.value, frag.momentum,
+            self.journal.work.append(CommitPart(r.round, r.fragment, k, frag.value, frag.momentum,
                                                 r.new_momentum, r.sum, total, hyper, frag.layout, E, dtypes,
-                                                frag.version + 1, self.digest_seed, check, parts))
+                                                frag.version + 1, self.digest_seed, check, min(span, n - k)))
 
     def on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         """One part of a commit done; after the last, the round commits (or, when a part was not

@@ -91,8 +91,6 @@ class CommitPart:
     round: int
     fragment: int
     part: int
-    lo: int
-    hi: int
     value: torch.Tensor
     momentum: torch.Tensor | None
     """None with momentum 0 (no buffer); else updated in place unless ``new_momentum`` is given."""
@@ -112,8 +110,8 @@ class CommitPart:
     """Measure the result (finite, largest magnitudes); False when the state proved it finite
     (``kernels.step_bounds``) and keeps the bounds itself."""
     parts: int = 1
-    """Consecutive parts ``[part, part + parts)`` this item commits (``lo``/``hi`` span them all):
-    one work item covers :data:`COMMIT_SPAN_ELEMS` whatever the part size, and each part still
+    """Consecutive parts ``[part, part + parts)`` this item commits (each cut by ``layout`` and
+    ``part_elems``): one work item covers :data:`COMMIT_SPAN_ELEMS` whatever the part size, and each part still
     gets its own payload and magnitudes (``Result.parts``)."""
 
 

@@ -128,7 +128,7 @@ def test_commit_spans_spread_over_workers_even_when_the_last_is_short() -> None:
     span = commit_span(E)
 
     def commit(part: int, parts: int) -> CommitPart:
-        return CommitPart(round=1, fragment=0, part=part, lo=part * E, hi=(part + parts) * E, value=torch.zeros(1),
+        return CommitPart(round=1, fragment=0, part=part, value=torch.zeros(1),
                           momentum=None, new_momentum=None, sum=None, total_weight=1, hyper=None,  # type: ignore[arg-type]
                           layout=None, part_elems=E, encode_dtypes=(), version=1, parts=parts)  # type: ignore[arg-type]
 

@@ -29,7 +29,7 @@ def test_fused_commit_matches_step_then_encode(mu: float) -> None:
         lo, hi = layout.part_range(k, E)
         ours_sum, ours_m = s.clone(), None if momentum is None else momentum.clone()
         rs = RoundSum(1, 0, 0, ours_sum, layout.n_parts(E))
-        res = run_work(CommitPart(1, 0, k, lo, hi, value, ours_m, None, rs, 5, hyper, layout, E, ("float32",), 1,
+        res = run_work(CommitPart(1, 0, k, value, ours_m, None, rs, 5, hyper, layout, E, ("float32",), 1,
                                   seed=77, check=True))
         assert res.error is None
         ref_sum, ref_m = s.clone(), None if momentum is None else momentum.clone()

@@ -28,7 +28,7 @@ def _fold(part: int) -> FoldPart:
 
 def _commit(part: int) -> CommitPart:
     s = RoundSum(round=1, attempt=0, fragment=0, flat=torch.zeros(4), n_parts=1)
-    return CommitPart(round=1, fragment=0, part=part, lo=0, hi=4, value=torch.zeros(4), momentum=None,
+    return CommitPart(round=1, fragment=0, part=part, value=torch.zeros(4), momentum=None,
                       new_momentum=None, sum=s, total_weight=1, hyper=None, layout=None, part_elems=4,  # type: ignore[arg-type]
                       encode_dtypes=(), version=1)
 

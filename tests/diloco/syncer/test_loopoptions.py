@@ -45,10 +45,10 @@ def test_the_loops_backlog_room_follows_the_part_size_the_layout_fixed(caplog) -
     try:
         with caplog.at_level(logging.INFO, logger="diloco.syncer.loop"):
             assert loop._backlog_room() == BACKLOG_PARTS * 32 * MIB - 32 * MIB
-            assert loop._limits().max_message_bytes == 32 * MIB
+            assert loop._wire_limits.max_message_bytes == 32 * MIB
             loop.state.book.fix_layout("f" * 16, 4, (32 << 20,) * 4)  # 128 MiB fragments: 1 MiB parts
             assert loop._backlog_room() == BACKLOG_PARTS * MIB - MIB
-            assert loop._limits().max_message_bytes == MIB  # a bigger message is refused at the wire
+            assert loop._wire_limits.max_message_bytes == MIB  # a bigger message is refused at the wire
         logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("received parts")]
         assert len(logged) == 2 and "of up to 1.0 MiB per connection" in logged[1]
     finally:
