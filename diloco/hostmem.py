@@ -111,6 +111,54 @@ def trim_heap() -> bool:
     return True
 
 
+MADV_DONTNEED = 4
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_madvise: Any = None
+"""glibc's ``madvise``, once looked up (:func:`release_pages`)."""
+
+
+def sole_owner(t: torch.Tensor) -> bool | None:
+    """Whether ``t`` is the only tensor over its storage: no view of it lives anywhere (a payload
+    frame zmq still sends, a stream's part list, an encode or digest job holding a view), and no
+    ``.numpy()`` array of it either (each holds a storage reference of its own). None when this
+    torch cannot tell (then nothing may assume it)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    storage = t.untyped_storage()  # one reference of its own while it lives
+    return int(count(storage._cdata)) == 2
+
+
+def release_pages(t: torch.Tensor, lo: int, hi: int) -> int:
+    """Give the pages lying wholly inside elements ``[lo, hi)`` of the flat buffer ``t`` back to the
+    kernel now (``madvise(MADV_DONTNEED)``); returns the bytes released (0 where it cannot).
+
+    The caller promises that nothing reads those elements again: afterwards they read as zeros
+    (anonymous memory) or as the file's bytes (a file mapping). Pages shared with elements outside
+    the range are kept."""
+    global _madvise
+    if _madvise is None:
+        if platform.system() != "Linux":
+            return 0
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        except (OSError, AttributeError):
+            return 0
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    size = t.element_size()
+    start = t.data_ptr() + lo * size
+    end = t.data_ptr() + hi * size
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES
+    last = end // PAGE_BYTES * PAGE_BYTES
+    if last <= first:
+        return 0
+    if _madvise(first, last - first, MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
 FAULT_IN_THREADS = 8
 """Most threads :func:`zero_in_parallel` uses (never more than the CPUs this process may run on)."""
 _FAULT_SLICE_ELEMS = 16 << 20

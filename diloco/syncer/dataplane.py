@@ -53,7 +53,7 @@ import xxhash
 
 from diloco import quant
 from diloco.digest import tensor_digest
-from diloco.hostmem import trim_heap
+from diloco.hostmem import release_pages, trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
 from diloco.syncer.core.work import (CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work,
@@ -172,11 +172,14 @@ def init_part(w: InitPart) -> float:
 def commit_part(w: CommitPart, scratch: Scratch) -> list[tuple[dict[str, Payload], tuple[float, float]]]:
     """The outer step on the parts ``[w.part, w.part + w.parts)``, part by part (:func:`commit_one`);
     per part its payloads and magnitudes. A part whose result is not finite refuses the whole item
-    (WireError): the state drops the commit."""
+    (WireError): the state drops the commit. With ``w.consume`` each part's old value pages go back
+    to the kernel once its new value is written (nothing reads them again: ``consume.py``)."""
     out = []
     for k in range(w.part, w.part + w.parts):
         lo, hi = w.layout.part_range(k, w.part_elems)
         out.append(commit_one(w, k, lo, hi, scratch))
+        if w.consume:
+            release_pages(w.value, lo, hi)
     return out
 
 

@@ -20,6 +20,11 @@ class EncodedCache:
     def put(self, fragment: int, version: int, dtype: str, n_parts: int, part: int, payload: Payload) -> None:
         self.entries.setdefault((fragment, version, dtype), [None] * n_parts)[part] = payload
 
+    def drop(self, fragment: int, version: int) -> None:
+        """Forget every payload of ``(fragment, version)`` (streams keep the lists they hold)."""
+        for key in [k for k in self.entries if k[:2] == (fragment, version)]:
+            del self.entries[key]
+
     def prune(self, current: tuple[int, ...]) -> None:
         """Drop payloads of versions that are neither current nor being committed (current + 1)."""
         for key in [k for k in self.entries if k[0] >= len(current) or k[1] not in (current[k[0]], current[k[0]] + 1)]:

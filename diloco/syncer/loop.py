@@ -52,6 +52,7 @@ from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.faults import FaultHook
 from diloco.syncer.links import LinkWatch
+from diloco.syncer.consume import Consumption
 from diloco.syncer.payloads import payload_source
 from diloco.syncer.metrics import SyncerMetrics, frames_nbytes
 from diloco.syncer.listener import open_listener, user_id
@@ -110,6 +111,7 @@ class SyncerLoop:
         self.data = DataPlane(options.data_threads, self._post)
         self.state.use_digest_seed(digest_seed(options.key))
         self._cache = EncodedCache()
+        self._consumption = Consumption(self._cache)
         self._pacer = Pacer(options.window, self._send_tracked)
         self._tracked: list[tuple[Stream, OutStream]] = []
         """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
@@ -167,9 +169,12 @@ class SyncerLoop:
             if not isinstance(work, EncodePart):
                 out.extend(self.state.on_result(result, now))
 
-    def _submit_work(self) -> None:
-        for w in self.state.take_work():
-            self.data.submit(w)
+    def _submit_work(self, after_send: bool = False) -> None:
+        """Hand the state's work to the data plane; a commit that may consume its old value waits for
+        ``after_send`` (the turn's streams have started: ``consume.py``)."""
+        self._consumption.route(self.state.take_work(), self.data.submit)
+        if after_send:
+            self._consumption.release(self.data.submit)
 
     # ------------------------------------------------------------------ steps
 
@@ -261,7 +266,8 @@ class SyncerLoop:
         assert frag.layout is not None
         E = state.book.part_elems
         n = frag.layout.n_parts(E)
-        payload_of = payload_source(o, frag, E, state.digest_seed, self._cache, self.data.submit)
+        payload_of = payload_source(o, frag, E, state.digest_seed, self._cache, self.data.submit,
+                                    self._consumption.versions)
         if payload_of is None:
             log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
             return None
@@ -360,6 +366,7 @@ class SyncerLoop:
         self._pacer.pump()
         self._check_streams()
         self._cache.prune(self.state.versions())
+        self._consumption.prune(self.state.versions())
 
     def _status(self, now: float) -> None:
         if now - self._last_status >= self.options.status_every_s:
@@ -422,7 +429,7 @@ class SyncerLoop:
                 self._write_events()
                 self._checkpoint_if_due()
                 self._send(outgoing)
-                self._submit_work()  # encodes asked for by new streams
+                self._submit_work(after_send=True)  # encodes asked for by new streams; held commits
                 self._status(now)
                 if self.metrics is not None:
                     self.metrics.tick(self, now)
@@ -447,13 +454,13 @@ class SyncerLoop:
         while self.state.committing() and time.monotonic() < deadline:
             time.sleep(0.01)
             self._take_results(time.monotonic())
-            self._submit_work()
+            self._submit_work(after_send=True)
 
     def _flush_streams(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while self._pacer.pending() and time.monotonic() < deadline:
             self._take_results(time.monotonic())
-            self._submit_work()
+            self._submit_work(after_send=True)
             self._pacer.pump()
             time.sleep(0.002)
 

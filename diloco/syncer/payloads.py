@@ -9,11 +9,15 @@
   bf16 island costs a few half-size parts per stream, never half the model.
 
 A stream keeps a reference to the value it reads: a value superseded meanwhile stays alive until
-the stream ends, and counts against the fragment buffers' budget (``book.FragmentBook``).
+the stream ends, and counts against the fragment buffers' budget (``book.FragmentBook``). That
+reference is always a view of its own (a payload's views, or :func:`lease`), so the loop can
+tell whether anything still reads a value (``hostmem.sole_owner``) before a commit gives its
+pages back (``CommitPart.consume``); a version being consumed starts no new stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Callable
 
 import torch
@@ -31,11 +35,19 @@ PayloadOf = Callable[[int], "Payload | None"]
 """Payload of part ``k`` of a stream, or None while it is not encoded yet."""
 
 
+def lease(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` of its own: while it lives, ``hostmem.sole_owner(t)`` is False."""
+    return t.view(t.shape)
+
+
 def payload_source(o: OutStream, frag: FragmentRecord, part_elems: int, seed: int, cache: EncodedCache,
-                   submit: Callable[[Work], None]) -> PayloadOf | None:
+                   submit: Callable[[Work], None], consumed: Collection[tuple[int, int]] = ()) -> PayloadOf | None:
     """The parts of stream ``o`` of fragment ``frag``; None when its version is superseded (the
-    island gets the newer one) or a FINAL would race a commit."""
+    island gets the newer one), is being consumed by its commit (``consumed``: (fragment, version)
+    pairs; the new version follows) or a FINAL would race a commit."""
     assert frag.layout is not None
+    if (o.fragment, o.version) in consumed:
+        return None
     n = frag.layout.n_parts(part_elems)
     parts = cache.entries.get((o.fragment, o.version, o.wire_dtype))
     if parts is not None:
@@ -43,10 +55,11 @@ def payload_source(o: OutStream, frag: FragmentRecord, part_elems: int, seed: in
     if frag.version != o.version or frag.value is None or frag.committing and o.kind == "FINAL":
         return None
     if o.wire_dtype != "float32":
-        return on_demand(o, frag.value, frag.layout, n, part_elems, seed, submit)
+        return on_demand(o, lease(frag.value), frag.layout, n, part_elems, seed, submit)
     parts = cache.entries[(o.fragment, o.version, o.wire_dtype)] = [None] * n
+    held = lease(frag.value)
     for k in range(n):
-        submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, frag.value, frag.layout, part_elems, seed))
+        submit(EncodePart(o.fragment, o.version, o.wire_dtype, k, held, frag.layout, part_elems, seed))
     return parts.__getitem__
 
 
@@ -69,4 +82,4 @@ def on_demand(o: OutStream, value: torch.Tensor, layout: FragmentLayout, n: int,
     return payload_of
 
 
-__all__ = ["ENCODE_AHEAD", "PayloadOf", "on_demand", "payload_source"]
+__all__ = ["ENCODE_AHEAD", "PayloadOf", "lease", "on_demand", "payload_source"]

@@ -60,8 +60,8 @@ class Cuts:
             if isl.cut_sent:
                 continue
             for frag in fragments:
-                if frag.index in isl.cut_given or not frag.initialised:
-                    continue
+                if frag.index in isl.cut_given or not frag.initialised or frag.consuming:
+                    continue  # a value being consumed by its commit: this fragment of the cut gets the next one
                 claim = isl.claim(frag.index)
                 if claim:
                     known = self._digest_of(frag)

@@ -226,6 +226,12 @@ class Merge:
             assert frag.layout is not None
             r.new_momentum = self.book.fresh(frag.layout.numel, "momentum beside a pinned one")
         check = not proven or r.new_momentum is not None
+        # The old value dies with this commit; it may go page by page as the commit passes it when no
+        # part can fail (nothing to roll back to) and nothing reads it meanwhile: no checkpoint pins
+        # it, no digest of it runs, no final cut reads it (the loop checks the streams: ``consume``).
+        consume = (not check and not self.book.is_pinned(r.fragment) and frag.digesting != frag.version
+                   and self.final.phase == "running")
+        frag.consuming = consume
         r.commit_failed = None
         dtypes = ("float32",)  # views + digests; bf16 parts are encoded per stream on demand (loop.py)
         r.commit_parts_left = n
@@ -237,7 +243,8 @@ class Merge:
         for k in range(0, n, span):
             self.journal.work.append(CommitPart(r.round, r.fragment, k, frag.value, frag.momentum,
                                                 r.new_momentum, r.sum, total, hyper, frag.layout, E, dtypes,
-                                                frag.version + 1, self.digest_seed, check, min(span, n - k)))
+                                                frag.version + 1, self.digest_seed, check, min(span, n - k),
+                                                consume))
 
     def on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         """One part of a commit done; after the last, the round commits (or, when a part was not
@@ -245,6 +252,11 @@ class Merge:
         r = self.rounds.get(work.round)
         if r is None or r.sum is not work.sum:
             return
+        if result.error and work.consume:
+            # Parts of the old value are gone and this part's new value is not whole: neither
+            # version is left to publish. Stop loud; the last checkpoint resumes the run.
+            raise RuntimeError(f"commit of round {work.round} fragment {work.fragment} failed after releasing the "
+                               f"old value's pages: {result.error}")
         if result.error:
             log.error("commit of round %d parts %d-%d refused: %s", work.round, work.part, work.part + work.parts - 1,
                       result.error)
@@ -282,7 +294,7 @@ class Merge:
                 self.changed_training += 1
             if self.config.checkpoint_every > 0 and (self.commits + 1) % self.config.checkpoint_every == 0:
                 self.journal.checkpoint_due = True
-        frag.committing = False
+        frag.committing = frag.consuming = False
         for p in pushes:
             led = self.sessions.islands[p.island].ledger
             led.merges += 1 if p.weight > 0 else 0

@@ -131,6 +131,9 @@ class FragmentRecord:
     init_done_parts: int = 0
     """INIT parts copied in by the data plane."""
     committing: bool = False
+    consuming: bool = False
+    """The commit in flight may give the current value's pages back as it passes them
+    (``CommitPart.consume``): until it lands, no stream, cut or digest of this version starts."""
     round: int = 0
     """The round whose commit produced ``version`` (0: the INIT value); after ``--resume``, the
     fragment's last round before the checkpoint's next round. Cuts carry it."""

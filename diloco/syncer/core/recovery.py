@@ -103,6 +103,9 @@ class Recovery:
             owed, rec.owed, rec.owe_pulls = rec.owed, {}, False
             for f, cut in sorted(owed.items()):
                 frag = self.book.fragments[f]
+                if frag.consuming:
+                    rec.owed[f] = cut  # its value goes as the commit passes it: the new one follows
+                    continue
                 if self.final.owes_final(rec):
                     out.append(final(rec, frag, self.book.versions()))
                 elif phase == "running" and rec.has_cut(f) and frag.initialised:
@@ -145,7 +148,7 @@ class Recovery:
         """A commit whose result is not finite changes nothing (value and momentum were written out
         of place): the round is dropped, logged and re-pulled as a new attempt."""
         frag = self.book.fragments[r.fragment]
-        frag.committing = False
+        frag.committing = frag.consuming = False
         r.new_momentum = None
         r.closed = r.committing = False
         self.journal.refusals += 1

@@ -113,6 +113,12 @@ class CommitPart:
     """Consecutive parts ``[part, part + parts)`` this item commits (each cut by ``layout`` and
     ``part_elems``): one work item covers :data:`COMMIT_SPAN_ELEMS` whatever the part size, and each part still
     gets its own payload and magnitudes (``Result.parts``)."""
+    consume: bool = False
+    """Give the old value's pages of each part back to the kernel once the part's new value is
+    written (``hostmem.release_pages``): the state proved the step finite (``check`` is False, so
+    no part can fail) and the loop found no other reader of the value
+    (``loop.SyncerLoop._submit_work``). The old value is dead after the commit either way; this
+    lets its memory go while the commit runs, instead of at its end."""
 
 
 @dataclass

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from diloco.syncer.core.config import SyncerConfig
+from diloco.syncer.consume import Consumption
 from diloco.syncer.dataplane import run_work
+from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.core.records import Outgoing, OutStream, Snapshot
 from diloco.syncer.core.coordinator import Coordinator
 from diloco.wire import DEFAULT_CHUNK_BYTES, Error, FragmentLayout, Hello, Init, Opened, Push, Welcome, encode, open_message
@@ -86,6 +88,7 @@ class Driver:
         self.st = Coordinator(config, syncer_id=syncer_id, snapshot=snapshot)
         self.nonces: dict[bytes, int] = {}
         self.seqs: dict[bytes, int] = {}
+        self.consumption = Consumption(EncodedCache())
 
     @property
     def E(self) -> int:
@@ -126,12 +129,19 @@ class Driver:
         return out
 
     def run(self, now: float) -> list[Out]:
-        """Run queued work until none is left (results may queue more: a commit after the last fold)."""
+        """Run queued work until none is left (results may queue more: a commit after the last fold).
+        Commits the core marked ``consume`` pass the loop's own check first (``consume.Consumption``:
+        nothing else may hold a view of the old value)."""
         out: list[Out] = []
-        while work := self.st.take_work():
-            for w in work:
+        while True:
+            queued: list[Any] = []
+            self.consumption.route(self.st.take_work(), queued.append)
+            self.consumption.release(queued.append)
+            if not queued:
+                return out
+            for w in queued:
                 out += self.st.on_result(run_work(w), now)
-        return out
+            self.consumption.prune(self.st.versions())
 
     def tick(self, now: float) -> list[Out]:
         out = self.st.tick(now)

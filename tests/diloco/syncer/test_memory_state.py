@@ -11,6 +11,7 @@ import torch
 
 from diloco.syncer.core import roundbook as round_rules
 from diloco.syncer.core.coordinator import Coordinator
+from diloco.syncer.payloads import lease
 from diloco.syncer.store import CheckpointStore
 
 import test_parts_state as one  # one fragment, momentum 0.9, three islands, quorum 2
@@ -30,7 +31,7 @@ def test_a_round_waits_while_a_superseded_value_is_held(monkeypatch) -> None:
     frag_bytes = d.st.fragments[0].layout.numel * 4
     assert d.st.book.live_bytes == frag_bytes  # the value
     one.open_round(d, 1)
-    held = d.st.fragments[0].value  # as a BCAST stream or a checkpoint of version 0 would
+    held = lease(d.st.fragments[0].value)  # as a BCAST stream of version 0 would (its own view)
     held_bytes = held.clone()
     for i in range(3):
         d.send_all(one.peer(i), one.pushes(i, 1), now=1.0)
