@@ -238,6 +238,7 @@ class Merge:
         r.committing = True
         r.commit_started = now
         r.commit_absmax = [(0.0, 0.0)] * n
+        r.consumed = False
         frag.committing = True
         span = commit_span(E)
         for k in range(0, n, span):
@@ -263,6 +264,7 @@ class Merge:
             r.commit_failed = r.commit_failed or result.error
         else:
             r.commit_absmax[work.part:work.part + work.parts] = [absmax for _payloads, absmax in result.parts]
+            r.consumed = r.consumed or work.consume
         r.commit_parts_left -= work.parts
         if r.commit_parts_left == 0 and r.commit_failed:
             self.recovery.drop_commit(r, now, out)
@@ -321,13 +323,15 @@ class Merge:
                 "flush": r.flush,
                 # A round that changed nothing merged nothing (no weight, in any attempt): no commit time.
                 "commit_s": round(now - r.commit_started, 6) if changed else 0.0,
+                "consumed": r.consumed,
             }
         )
         log.info(
-            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)%s",
+            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)%s%s",
             r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
             ", flush" if r.flush else "",
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
+            "; the old value went as the commit passed it" if r.consumed else "",
         )
         if not changed or r.flush:
             return  # a flush commit's value goes out once, in the final cut that follows it

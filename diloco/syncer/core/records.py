@@ -198,7 +198,8 @@ class RoundRecord:
     new_momentum: torch.Tensor | None = None
     """The commit's momentum, written beside the old one (a pinned or unbounded commit only)."""
     committing: bool = False
-    commit_started: float = 0.0
+    consumed: bool = False
+    """The commit gave the old value's pages back as it passed them (the loop's check agreed)."""
     commit_absmax: list[tuple[float, float]] = field(default_factory=list)
     """Per part ``(max |value'|, max |momentum'|)`` the data plane measured (``nan``: not checked)."""
     commit_bounds: list[tuple[float, float]] = field(default_factory=list)

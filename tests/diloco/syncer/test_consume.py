@@ -30,7 +30,13 @@ def _commit_round_1(d, v0: np.ndarray, m0: np.ndarray) -> None:
         out += d.send_all(one.peer(i), one.pushes(i, 1), now=1.0)
     assert d.st.versions() == (1,)
     event = [e for e in d.st.take_events() if e.get("round") == 1][-1]
+    d.last_event = event
     one.check_commit(d, v0, m0, {i: one.delta(i, 1) for i in range(3)}, event)
+
+
+def event_consumed(d) -> bool:
+    """What the commit's event says (the event log's ``consumed``)."""
+    return bool(d.last_event["consumed"])
 
 
 def test_sole_owner_sees_views_and_arrays() -> None:
@@ -65,7 +71,7 @@ def test_a_commit_nobody_else_reads_gives_the_old_value_back_and_stays_bitwise()
     old = d.st.fragments[0].value  # the same tensor object (no view: the check cannot see it)
     v0, m0 = one.frag_state(d)
     _commit_round_1(d, v0, m0)  # bitwise the numpy reference
-    assert d.consumption.consumed == 1 and d.consumption.kept == 0
+    assert d.consumption.consumed == 1 and d.consumption.kept == 0 and event_consumed(d)
     # Whole pages inside every part of the old value were given back (they read as zeros now).
     assert int((old.numpy() == 0).sum()) > old.numel() // 2
     assert not d.st.fragments[0].consuming
@@ -77,7 +83,7 @@ def test_a_reader_with_a_view_keeps_the_old_value_whole() -> None:
     before = held.clone()
     v0, m0 = one.frag_state(d)
     _commit_round_1(d, v0, m0)
-    assert d.consumption.consumed == 0 and d.consumption.kept == 1
+    assert d.consumption.consumed == 0 and d.consumption.kept == 1 and not event_consumed(d)
     assert torch.equal(held, before)
 
 
