@@ -39,6 +39,7 @@ from diloco.island.client_protocol import ClientProtocol
 from diloco.island.delta_source import DeltaSource, PartRing
 from diloco.island.effects import Effects, SyncError
 from diloco.island.inbox import ReceiveTarget
+from diloco.island.lane import InitLane
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
@@ -91,6 +92,8 @@ class SyncClient:
         self._rejoin = threading.Event()
         self._curve = config.client_curve()
         self._streams: list[Outgoing] = []
+        self._lane = InitLane(config.island_id, config.sync_addr, self._curve, WINDOW)
+        """The session's second connection for INIT, when WELCOME offers one (``lane.py``)."""
         self._redial_s = 0.0
         """The delay of the redial the last message asked for."""
         self._thread = threading.Thread(target=self._run, name=f"yeto-client-{config.island_id}", daemon=True)
@@ -312,6 +315,7 @@ class SyncClient:
                 except zmq.ZMQError as exc:
                     sock, pacer = self._redial(ctx, sock, p.socket_error(exc).redial_s or 0.0)
         finally:
+            self._lane.close()
             sock.close(linger=0)
             ctx.term()
 
@@ -329,6 +333,7 @@ class SyncClient:
         return True
 
     def _redial(self, ctx: zmq.Context, sock: zmq.Socket, delay_s: float) -> tuple[zmq.Socket, Pacer]:
+        self._lane.close()  # a lane lives with its session; its INIT streams resume on the new one
         sock.close(linger=0)
         self.protocol.connection_lost()
         if delay_s > 0:
@@ -368,11 +373,11 @@ class SyncClient:
             if isinstance(out.header, wire.Push) and out.header.n_parts == 0:
                 self._send_control(sock, p.restamp(out.header), out)  # zero weight: no tensors
                 continue
-            out.stream = p.stream_of(out)
-            pacer.add(b"", out.stream)
-            self._streams.append(out)
+            self._start_stream(out, pacer)
         before = {id(o.stream): (o.stream.data_bytes, o.stream.control_bytes) for o in self._streams if o.stream}
         pacer.pump()
+        if self._lane.pacer is not None:
+            self._lane.pacer.pump()
         still = []
         for out in self._streams:
             if out.stream is None:  # parked until WELCOME
@@ -392,6 +397,19 @@ class SyncClient:
             else:
                 still.append(out)
         self._streams = still
+
+    def _start_stream(self, out: Outgoing, pacer: Pacer) -> None:
+        """Hand a new stream to a connection: an INIT stream goes on the lane when WELCOME offers one
+        and no other stream uses it (opened on first use), everything else on the first connection."""
+        p = self.protocol
+        welcome = p.welcome
+        out.lane = (isinstance(out.header, wire.Init) and welcome is not None and welcome.lanes > 0
+                    and not any(o.lane for o in self._streams))
+        if out.lane and (self._lane.pacer is None or self._lane.generation != p.generation):
+            self._lane.connect(p.generation, p.lane_open)
+        out.stream = p.stream_of(out)
+        (self._lane.pacer if out.lane and self._lane.pacer is not None else pacer).add(b"", out.stream)
+        self._streams.append(out)
 
     def _send_control(self, sock: zmq.Socket, header: wire.Header, out: Outgoing) -> None:
         frames = self.protocol.seal(header)

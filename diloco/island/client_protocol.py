@@ -115,6 +115,8 @@ class ClientProtocol(Inbox, Outbox):
         """Session nonce of the current connection (0 until WELCOME)."""
         self._send_seq = 0
         self._recv_seq = 0
+        self._lane_seq = 0
+        """Sequence number of the last message sealed for the session's lane (``Outbox.lane_open``)."""
         self._feedback = (quant.ErrorFeedback(config.wire_dtype, config.quant_block)
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
@@ -130,7 +132,7 @@ class ClientProtocol(Inbox, Outbox):
 
         The syncer resends the PULL of every open round we have not pushed to; a push lost
         with the old connection must be answered again, so what was taken is forgotten."""
-        self._nonce = self._send_seq = self._recv_seq = 0
+        self._nonce = self._send_seq = self._recv_seq = self._lane_seq = 0
         with self._guard:
             self._generation = generation
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=generation,

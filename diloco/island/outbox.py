@@ -74,6 +74,8 @@ class Outgoing:
     wire_dtype: str | None = None
     sent: threading.Event | None = None
     stream: Stream | None = None
+    lane: bool = False
+    """The stream goes on the session's second connection (``wire.Lane``: INIT only)."""
 
 
 class Outbox:
@@ -90,6 +92,7 @@ class Outbox:
     _seed: int
     _nonce: int
     _send_seq: int
+    _lane_seq: int
     _feedback: quant.ErrorFeedback | None
     _init_held: tuple[bool, ...]
     _init_done: set[int]
@@ -116,7 +119,7 @@ class Outbox:
         keep = []
         for out in streams:
             if isinstance(out.header, wire.Init):
-                out.stream = None
+                out.stream, out.lane = None, False  # a lane ends with its session
                 keep.append(out)
             else:
                 _release(out)
@@ -154,7 +157,9 @@ class Outbox:
             return lost
 
     def stream_of(self, out: Outgoing) -> Stream:
-        """Cut a queued INIT/PUSH into parts; each part's header carries the current generation."""
+        """Cut a queued INIT/PUSH into parts; each part's header carries the current generation, and
+        each is sealed for the connection the stream goes on (``out.lane``: the lane's sequence)."""
+        lane = out.lane
         layout = self._layouts[out.header.fragment]  # type: ignore[union-attr]
         E = self._part_elems
         n = layout.n_parts(E)
@@ -172,7 +177,7 @@ class Outbox:
             else:
                 header = msgspec.structs.replace(out.header, generation=self.generation, part=k, n_parts=n)
             if made[0] == k:
-                return self.seal(header, made[1])  # sealed anew: the next sequence number
+                return self.seal(header, made[1], lane)  # sealed anew: the next sequence number
             buf = None
             if isinstance(out.header, wire.Push) and self._feedback is not None:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)  # frames never view the ring
@@ -182,7 +187,7 @@ class Outbox:
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             made[0], made[1], made[2] = k, payload, buf
-            return self.seal(header, payload)
+            return self.seal(header, payload, lane)
 
         def handed(k: int, tracker: object) -> None:
             if made[0] == k and made[2] is not None:
@@ -191,11 +196,25 @@ class Outbox:
         return Stream(n, frames_of, f"{wire.kind_of(out.header)} f{out.header.fragment}",  # type: ignore[union-attr]
                       on_handed=handed)
 
-    def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD) -> list:
-        """Frames of one message of this connection: session nonce and the next sequence number,
-        taken at send time (the connection seals each message just before the socket gets it)."""
-        self._send_seq += 1
-        return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=self._send_seq)
+    def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD, lane: bool = False) -> list:
+        """Frames of one message of this connection (``lane``: of its lane): session nonce and that
+        connection's next sequence number, taken at send time (the connection seals each message
+        just before the socket gets it)."""
+        if lane:
+            self._lane_seq += 1
+            seq = self._lane_seq
+        else:
+            self._send_seq += 1
+            seq = self._send_seq
+        return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=seq)
+
+    def lane_open(self) -> list:
+        """Frames of the ``Lane`` message that binds a second connection to this session (its
+        sequence starts at 1); only after WELCOME, and only when it offered lanes."""
+        with self._guard:
+            gen = self._generation
+        self._lane_seq = 0
+        return self.seal(wire.Lane(island=self._cfg.island_id, generation=gen), lane=True)
 
     def _quantized_part(self, fragment: int, layout: wire.FragmentLayout, tensors: Tensors | DeltaSource,
                         k: int) -> wire.Payload:

@@ -43,6 +43,9 @@ REASONS: dict[str, str] = {
     "unexpected_kind": "a message kind the syncer never accepts from an island",
     # INIT
     "init_not_island0": "only island 0 streams INIT",
+    "no_lanes": "the syncer takes no second INIT connection (--init-lanes 0)",
+    "lane_not_island0": "only island 0 opens an INIT lane",
+    "lane_is_session": "a session's first connection cannot also be its lane",
     "duplicate_init": "the fragment was already initialised",
     "bad_init": "an INIT value failed the data plane's checks",
     "bad_schema": "the INIT schema is malformed or too large",

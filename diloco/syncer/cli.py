@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gathering-rounds", type=int, default=1,
                    help="open rounds still gathering pushes at once (each sum filling is one fragment); the "
                         "next round opens once the earlier ones have all their pushes")
+    p.add_argument("--init-lanes", type=int, default=1,
+                   help="second connections island 0 may open for INIT beside its first (0 or 1): one TCP "
+                        "stream carries about 5 GB/s on loopback, two about 8")
     p.add_argument("--stream-window", type=int, default=2,
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             max_refusals=args.max_refusals,
             max_open_rounds=args.max_open_rounds,
             max_gathering_rounds=args.max_gathering_rounds,
+            init_lanes=args.init_lanes,
             island_keys=_island_keys(args),
             max_tokens_per_step=args.max_tokens_per_step,
             weight_factor=args.max_weight_factor,

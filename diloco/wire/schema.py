@@ -184,6 +184,19 @@ class Welcome(_HeaderBase, tag="WELCOME"):
     initialised: tuple[bool, ...] = ()
     """Per fragment, whether the syncer holds a value for it (INIT complete, or resumed): island 0
     streams INIT only for the others, so a redial mid-INIT resumes instead of restarting."""
+    lanes: int = 0
+    """Second connections (``Lane``) the syncer takes for INIT beside this one: 0 or 1
+    (``--init-lanes``); one TCP stream carries about 5 GB/s on loopback, two about 8."""
+
+
+class Lane(_HeaderBase, tag="LANE"):
+    """island -> syncer, on a second connection of the island's session: it carries INIT parts
+    beside the first (``Welcome.lanes``). Sealed with the session's nonce and the lane's own
+    sequence numbers (this message takes 1), it binds the lane to the island's current
+    generation; only INIT travels on it, and nothing comes back on it."""
+
+    island: int
+    generation: int
 
 
 class Init(_HeaderBase, tag="INIT"):
@@ -322,11 +335,12 @@ class Error(_HeaderBase, tag="ERROR"):
     """The round of the refused PUSH (``stale_base``), else 0."""
 
 
-Header = (Hello | Welcome | Init | Pull | Push | Bcast | Held | Heartbeat | Final | FinalAck | Shutdown | Error
+Header = (Hello | Welcome | Lane | Init | Pull | Push | Bcast | Held | Heartbeat | Final | FinalAck | Shutdown | Error
           | Progress)
 HEADER_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
+    Lane,
     Init,
     Pull,
     Push,

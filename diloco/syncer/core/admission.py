@@ -91,6 +91,7 @@ class Admission:
                     nonce=rec.nonce,
                     weighting=cfg.weighting,
                     initialised=tuple(self._holds_init(f) for f in self.book.fragments),
+                    lanes=cfg.init_lanes if h.island == 0 else 0,
                 ),
             )
         )
@@ -107,8 +108,9 @@ class Admission:
                                     and frag.init_next_part == frag.layout.n_parts(self.book.part_elems))
 
     def on_init(self, peer: bytes, h: Init, msg: Opened, now: float) -> None:
-        """Take one INIT part of island 0 (in order; part 0 carries the schema and restarts the stream)."""
-        rec = self.sessions.session(h.island, h.generation, peer, msg)
+        """Take one INIT part of island 0 (in order per fragment; part 0 carries the schema and restarts
+        the stream), on the session's first connection or its lane."""
+        rec = self.sessions.session(h.island, h.generation, peer, msg, lane_ok=True)
         n_fragments = self.book.n_fragments
         if h.island != 0:
             raise Refused("init_not_island0", f"INIT from island {h.island}; only island 0 initialises")

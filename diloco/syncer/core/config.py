@@ -97,6 +97,8 @@ class SyncerConfig:
     max_refusals: int = 5
     max_open_rounds: int = 2
     max_gathering_rounds: int = 1
+    init_lanes: int = 1
+    """Second connections island 0 may open for INIT (``--init-lanes``, 0 or 1; WELCOME says it)."""
     flush_merge: str = "mean"
     island_keys: tuple[tuple[int, str], ...] = ()
     """Curve mode: fixed ``(island id, Z85 public key)`` bindings (``--island-keys``); empty: first use."""
@@ -140,6 +142,8 @@ class SyncerConfig:
         need(math.isfinite(self.final_timeout_s) and self.final_timeout_s > 0, "--final-timeout-s", f"must be > 0, got {self.final_timeout_s}")
         need(math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0, "--join-timeout-s", f"must be >= 0, got {self.join_timeout_s}")
         need(self.max_fragments >= 1, "max_fragments", "must be >= 1")
+        need(self.init_lanes in (0, 1) and not isinstance(self.init_lanes, bool), "--init-lanes",
+             f"must be 0 or 1, got {self.init_lanes!r}")
         need(isinstance(self.part_elems, int) and not isinstance(self.part_elems, bool) and (self.part_elems == 0 or (
              self.part_elems > 0 and self.part_elems % 4096 == 0 and self.part_elems * 4 <= (128 << 20))),
              "--part-mib", f"must be auto or give whole 16 KiB parts of at most 128 MiB, got {self.part_elems} elements")

@@ -51,7 +51,7 @@ from diloco.syncer.core.robust import Reference
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
 from diloco.syncer.core.work import CommitPart, DigestFragment, FoldPart, InitPart, Result, Work
-from diloco.wire import Error, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Opened, Push, Shutdown
+from diloco.wire import Error, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, Opened, Push, Shutdown
 
 log = logging.getLogger("diloco.syncer.core")
 
@@ -297,6 +297,8 @@ class Coordinator:
                 self.admission.on_hello(peer, header, msg, now, sender_key, out)
             elif isinstance(header, Init):
                 self.admission.on_init(peer, header, msg, now)
+            elif isinstance(header, Lane):
+                self.sessions.bind_lane(peer, header.island, header.generation, msg, sender_key)
             elif isinstance(header, Push):
                 self.pushes.on_push(peer, header, msg, now)
             elif isinstance(header, Heartbeat):
@@ -322,7 +324,8 @@ class Coordinator:
                 "refused %s from island %s (peer %s): %s: %s",
                 type(header).__name__, island, peer.hex(), r.code, r.reason,
             )
-            out = [Outgoing(peer, Error(code=r.code, reason=r.reason, fragment=r.fragment, round=r.round))]
+            out = [Outgoing(self.sessions.reply_peer(peer), Error(code=r.code, reason=r.reason, fragment=r.fragment,
+                                                                  round=r.round))]
             if isinstance(header, Push):
                 self.recovery.on_push_refused(header, r, now, out)
             return out

@@ -89,6 +89,12 @@ class IslandRecord:
     """Sequence number of the last accepted message from the island (strictly increasing)."""
     send_seq: int = 0
     """Sequence number of the last message sealed for the island."""
+    lane: bytes = b""
+    """Routing id of the session's second connection (``Lane``: INIT only), b"" for none."""
+    lane_seq: int = 0
+    """Sequence number of the last accepted message on the lane (its own, strictly increasing)."""
+    via_lane: bool = False
+    """The message being handled came on the lane (``Sessions.session`` to ``Sessions.touch``)."""
 
     def recut(self) -> None:
         """The island must receive the whole current cut again (a new HELLO, a revival)."""

@@ -48,6 +48,8 @@ class Sessions:
         self.islands = [IslandRecord(i) for i in range(config.islands)]
         self.peers: dict[bytes, int] = {}
         """Routing id -> island of every current binding (to stamp what we send)."""
+        self.lanes: dict[bytes, int] = {}
+        """Routing id -> island of every current lane (at most one per island: ``bind_lane``)."""
         self.hellos_seen: dict[tuple[int, int], None] = {}
         """(island, generation) of recent authenticated HELLOs, oldest first: a second one is a replay
         (at most :data:`HELLOS_REMEMBERED` per island)."""
@@ -61,8 +63,9 @@ class Sessions:
     # ------------------------------------------------------------------ queries
 
     def island_of(self, peer: bytes) -> int | None:
-        """The island bound to routing id ``peer`` (None: none)."""
-        return self.peers.get(peer)
+        """The island bound to routing id ``peer``, as its first connection or its lane (None: none)."""
+        island = self.peers.get(peer)
+        return self.lanes.get(peer) if island is None else island
 
     def live(self) -> list[IslandRecord]:
         """Bound islands not declared dead."""
@@ -90,20 +93,67 @@ class Sessions:
 
     # ------------------------------------------------------------------ every message after HELLO
 
-    def session(self, island: int, generation: int, peer: bytes, msg: Opened) -> IslandRecord:
-        """The island's record if ``msg`` belongs to its current connection (replay protection).
+    def session(self, island: int, generation: int, peer: bytes, msg: Opened, lane_ok: bool = False) -> IslandRecord:
+        """The island's record if ``msg`` belongs to its current connection (replay protection), or
+        to its lane when ``lane_ok`` (INIT only: :meth:`bind_lane`).
 
         Raises Dropped (nothing answered) for another routing id, a wrong nonce or a sequence
-        number that does not increase; the sequence number advances when the message is
-        accepted (:meth:`touch`)."""
+        number that does not increase (each connection has its own); the sequence number advances
+        when the message is accepted (:meth:`touch`)."""
         rec = self.bound_island(island, generation)
-        if peer != rec.peer:
+        lane = lane_ok and bool(rec.lane) and peer == rec.lane
+        if peer != rec.peer and not lane:
             raise Dropped("wrong_peer", f"island {island} is bound to peer {rec.peer.hex()}, not {peer.hex()}")
         if session.foreign_nonce(msg.nonce, rec.nonce):
             raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
-        if session.replayed(msg.seq, rec.recv_seq):
-            raise Dropped("replayed_seq", f"sequence number {msg.seq} <= {rec.recv_seq} (a replay)")
+        last = rec.lane_seq if lane else rec.recv_seq
+        if session.replayed(msg.seq, last):
+            raise Dropped("replayed_seq", f"sequence number {msg.seq} <= {last} (a replay)")
+        rec.via_lane = lane
         return rec
+
+    def reply_peer(self, peer: bytes) -> bytes:
+        """Where an answer to a message from ``peer`` goes: a lane's island's first connection
+        (nothing is sent on a lane), else ``peer`` itself."""
+        island = self.lanes.get(peer)
+        return self.islands[island].peer if island is not None else peer
+
+    def bind_lane(self, peer: bytes, island: int, generation: int, msg: Opened, sender_key: str) -> IslandRecord:
+        """Bind ``peer`` as the lane of ``island``'s current session (``Lane``; ``--init-lanes``).
+
+        Refused unless the syncer takes lanes and ``island`` is island 0 (the only one that
+        sends INIT); Dropped (nothing answered) unless the message carries the session's nonce
+        and opens its own sequence (seq 1), comes from a routing id other than the session's
+        first connection, and (Curve) its key owns the island id. A lane that binds replaces
+        the session's earlier one: one lane per island, so the lanes table is bounded by
+        ``--islands``."""
+        if self.config.init_lanes < 1:
+            raise Refused("no_lanes", "this syncer takes no second connection (--init-lanes 0)")
+        if island != 0:
+            raise Refused("lane_not_island0", f"LANE from island {island}; only island 0 sends INIT")
+        rec = self.bound_island(island, generation)
+        if peer == rec.peer:
+            raise Dropped("lane_is_session", "a session's first connection cannot be its lane")
+        if session.foreign_nonce(msg.nonce, rec.nonce) or msg.nonce == 0:
+            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
+        if msg.seq != 1:
+            raise Dropped("bad_session", f"LANE opens its connection's sequence: seq must be 1, got {msg.seq}")
+        problem = self.gate.key_problem(island, sender_key)
+        if problem:
+            raise Dropped("key_not_owner", problem)
+        if msg.metas:
+            raise Refused("unexpected_tensors", "LANE carries no tensors")
+        self.drop_lane(rec)
+        rec.lane, rec.lane_seq = peer, msg.seq
+        self.lanes[peer] = island
+        log.info("island %d: a second connection carries INIT (peer %s)", island, peer.hex())
+        return rec
+
+    def drop_lane(self, rec: IslandRecord) -> None:
+        """Forget ``rec``'s lane (a new HELLO or lane replaces it)."""
+        if rec.lane:
+            self.lanes.pop(rec.lane, None)
+        rec.lane, rec.lane_seq = b"", 0
 
     def bound_island(self, island: int, generation: int) -> IslandRecord:
         """The record of ``island`` if it is bound under ``generation``; Refused otherwise."""
@@ -122,7 +172,10 @@ class Sessions:
     def touch(self, rec: IslandRecord, msg: Opened, now: float) -> None:
         """An accepted message of the island's connection: alive, and its sequence number taken."""
         rec.last_seen = now
-        rec.recv_seq = msg.seq
+        if rec.via_lane:
+            rec.lane_seq, rec.via_lane = msg.seq, False
+        else:
+            rec.recv_seq = msg.seq
         self.proven.add(rec.island)  # a HELLO alone is not membership (``ready``)
         if not rec.alive:
             rec.alive = True
@@ -232,6 +285,7 @@ class Sessions:
             self.superseded.append(rec.peer)
         rec.peer = peer
         self.peers[peer] = h.island
+        self.drop_lane(rec)  # a lane belongs to one session
         rec.nonce = session.draw_id()
         rec.recv_seq = rec.send_seq = 0
         return rec
