@@ -1,7 +1,8 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | zmqinit | gputest | wan | scale | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# (DIGEST=0 in the environment: island jobs skip the end-to-end digest files, for whole-run timing)
 # (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
 # Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
 # PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
@@ -18,15 +19,17 @@ for job in "$@"; do
   echo "=== $job $(date +%T)"
   case "$job" in
     probe) install; PYTHONPATH=$REPO python3 "$REPO/scripts/probe_fork.py" --gib 8 2>&1 | tail -3 ;;
+    wire) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wire.py" 2>&1 | tail -1 ;;
     wan*) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wan.py" --out "$WORKDIR/$job" ${WAN_ARGS:-} 2>&1 | grep '^{' ;;
     gputest) install; (cd "$REPO" && python3 -m pytest -q -m gpu -p no:cacheprovider tests/diloco/island/test_slots.py \
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
     init) install
-       for v in ${INIT_VARIANTS:-8:4:0}; do  # part MiB : data threads : client window (0: the code's)
-         IFS=: read -r mib threads window <<<"$v"
+       for v in ${INIT_VARIANTS:-16:4:0:1 16:4:0:0}; do  # part MiB : data threads : client window (0: the code's) : INIT lanes
+         IFS=: read -r mib threads window lanes <<<"$v"
          PYTHONPATH=$REPO timeout 300 python3 \
-           "$REPO/scripts/probe_init.py" --gib 2.5 --window "$window" --syncer-args "--part-mib $mib --data-threads $threads" \
+           "$REPO/scripts/probe_init.py" --gib 2.5 --window "$window" \
+           --syncer-args "--part-mib $mib --data-threads $threads --init-lanes ${lanes:-1}" \
            ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} 2>&1 \
            | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done

@@ -12,6 +12,7 @@
 #   SYNCER_ARGS (extra yeto-syncer flags), SYNCER_ENV (extra VAR=value pairs for the syncer),
 #   ISLAND_ENV (extra VAR=value pairs for both islands),
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
+#   DIGEST=0 to skip the islands' end-to-end digest files (whole-run timing of what a user runs),
 #   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs),
 #   NO_PLUGIN=1 (the same two jobs without the plugin and without a syncer: the baseline of the
 #   "whole run" figure; the report gives each island's wall time either way).
@@ -77,7 +78,7 @@ fi
 # --- 4. two islands: same GPU, different MASTER_PORT, own island id / seed / logs ------------
 island() {  # island ID MASTER_PORT
   YETO_SYNC_ADDR="tcp://127.0.0.1:$SYNC_PORT" YETO_ISLAND_ID=$1 YETO_DILOCO_FRAGMENTS=$FRAGMENTS \
-  YETO_DILOCO_STEP_LOG="$WORK/steps-{island}.jsonl" YETO_DILOCO_DIGEST_FILE="$WORK/digest-{island}.json" \
+  YETO_DILOCO_STEP_LOG="$WORK/steps-{island}.jsonl" ${DIGEST_ENV:-} \
   YETO_CONNECT_TIMEOUT_S=300 YETO_FINAL_TIMEOUT_S=300 YETO_DILOCO_INITIAL_CUT_TIMEOUT=300 \
   NPROC_PER_NODE=1 MASTER_PORT=$2 \
   env ${ISLAND_ENV:-} timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
@@ -96,6 +97,9 @@ island() {  # island ID MASTER_PORT
   echo "$(( $(date +%s%N) / 1000000 - T_START_MS ))" >"$WORK/wall-$1.ms"
   return $rc
 }
+# DIGEST=0: no end-to-end digest export after the final cut (it re-exports the model, seconds at
+# 2.7B: a check of this script, not part of a user's run); the syncer's FINAL_ACK check remains.
+if [ "${DIGEST:-1}" != 0 ]; then DIGEST_ENV="YETO_DILOCO_DIGEST_FILE=$WORK/digest-{island}.json"; else DIGEST_ENV=""; fi
 T_START_MS=$(( $(date +%s%N) / 1000000 ))
 island 0 29510 & I0=$!
 island 1 29520 & I1=$!
@@ -118,7 +122,8 @@ done
 say "commits (changed): $(grep -c '"changed": true' "$WORK/events.jsonl" 2>/dev/null || echo 0)"
 D0=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['digest'])" "$WORK/digest-0.json" 2>/dev/null)
 D1=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['digest'])" "$WORK/digest-1.json" 2>/dev/null)
-if [ -n "$D0" ] && [ "$D0" = "$D1" ]; then SAME=1; say "DIGESTS EQUAL: $D0"; else SAME=0; say "DIGESTS DIFFER OR MISSING: '$D0' vs '$D1'"; fi
+if [ "${DIGEST:-1}" = 0 ]; then SAME=1; say "DIGEST=0: no digest files (the syncer checked every FINAL_ACK's digests: exit $RCS)"
+elif [ -n "$D0" ] && [ "$D0" = "$D1" ]; then SAME=1; say "DIGESTS EQUAL: $D0"; else SAME=0; say "DIGESTS DIFFER OR MISSING: '$D0' vs '$D1'"; fi
 $PY -m diloco.steplog_report "$WORK/steps-0.jsonl" "$WORK/steps-1.jsonl" 2>&1 | tee -a "$REPORT"
 for i in 0 1; do say "island$i loss lines:"; grep -o "'loss': [0-9.]*" "$WORK/island$i.log" | tr '\n' ' ' | tee -a "$REPORT"; echo | tee -a "$REPORT"; done
 
