@@ -78,10 +78,10 @@ fi
 # --- 4. two islands: same GPU, different MASTER_PORT, own island id / seed / logs ------------
 island() {  # island ID MASTER_PORT
   YETO_SYNC_ADDR="tcp://127.0.0.1:$SYNC_PORT" YETO_ISLAND_ID=$1 YETO_DILOCO_FRAGMENTS=$FRAGMENTS \
-  YETO_DILOCO_STEP_LOG="$WORK/steps-{island}.jsonl" ${DIGEST_ENV:-} \
+  YETO_DILOCO_STEP_LOG="$WORK/steps-{island}.jsonl" \
   YETO_CONNECT_TIMEOUT_S=300 YETO_FINAL_TIMEOUT_S=300 YETO_DILOCO_INITIAL_CUT_TIMEOUT=300 \
   NPROC_PER_NODE=1 MASTER_PORT=$2 \
-  env ${ISLAND_ENV:-} timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
+  env ${ISLAND_ENV:-} ${DIGEST_ENV:-} timeout "$ISLAND_TIMEOUT_S" $PY -m swift.cli._megatron.main pt \
     --model "$MODEL_DIR" --model_type qwen2 --template qwen \
     --dataset "$WORK/data/$([ "$1" = 1 ] && echo pt_island1.jsonl || echo pt.jsonl)" --split_dataset_ratio 0 \
     "${PLUGIN_ARGS[@]}" \

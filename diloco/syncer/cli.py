@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-threads", type=int, default=default_threads(),
                    help="data-plane worker threads (decode, fold, outer step, encode); torch itself runs 1 thread")
     p.add_argument("--io-threads", type=int, default=0,
-                   help="zmq I/O threads, each carrying some islands' connections (0, the default: one per island, "
-                        "at most 4)")
+                   help="zmq I/O threads, each carrying some islands' connections (0, the default: one per island and "
+                        "INIT lane, at most 4)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections in all; one more is shut down at once and counted")
     p.add_argument("--max-connections-per-address", type=int, default=64,
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_threads < 1:
             raise ConfigError(f"--data-threads: must be >= 1, got {args.data_threads}")
         if not 0 <= args.io_threads <= 64:
-            raise ConfigError(f"--io-threads: must be 0 (one per island, at most 4) to 64, got {args.io_threads}")
+            raise ConfigError(f"--io-threads: must be 0 (one per island and INIT lane, at most 4) to 64, "
+                              f"got {args.io_threads}")
         if args.stream_window < 1:
             raise ConfigError(f"--stream-window: must be >= 1, got {args.stream_window}")
         if args.resume and not args.checkpoint_dir:
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                           caps=caps)
     # One I/O thread per island by default: at 2.7B two threads moved the broadcasts at 3.3-3.7 GB/s per
     # island instead of 1.5 and the run took 133 s instead of 142 (docs/PERFORMANCE.md, session 9).
-    io_threads = args.io_threads or max(1, min(4, config.islands))
+    io_threads = args.io_threads or max(1, min(4, config.islands + config.init_lanes))
     log.info("zmq I/O threads: %d (--io-threads)", io_threads)
     try:
         loop = SyncerLoop(state, options, store, context=zmq.Context(io_threads=io_threads))
