@@ -101,7 +101,8 @@ def test_islands_starting_from_the_same_weights_download_no_cut(tmp_path: Path) 
     _check_identical(res)
     for i in range(2):
         start = _start_record(res, i)
-        assert start["data_bytes_recv"] == 0 and start["installed"] == [0, 1]
+        # Island 0's fragments travel on two connections (its INIT lane), so either may land first.
+        assert start["data_bytes_recv"] == 0 and sorted(start["installed"]) == [0, 1]
         assert [e.get("held") for e in start["events"] if e["type"] == "cut"] == [True, True]
         assert f"island {i}: fragments 0-1 match the syncer's values, no cut needed" in res.syncer_log
     cut = wan_harness.run(_settings(skip_matching_cut=False), tmp_path / "cut")
