@@ -39,7 +39,7 @@ from diloco.island.client_protocol import ClientProtocol
 from diloco.island.delta_source import DeltaSource, PartRing
 from diloco.island.effects import Effects, SyncError
 from diloco.island.inbox import ReceiveTarget
-from diloco.island.lane import InitLane
+from diloco.island.lane import BIND_WAIT_S, InitLane
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
@@ -354,6 +354,7 @@ class SyncClient:
     def _send_some(self, sock: zmq.Socket, pacer: Pacer) -> None:
         """Send control messages at once, start queued streams, top up the stream window."""
         p = self.protocol
+        self._open_lane()
         if p.welcome is not None and any(o.stream is None for o in self._streams):
             for out in p.resume_streams(self._streams):  # INIT parked by a redial: where the syncer stands
                 assert out.stream is not None
@@ -365,7 +366,7 @@ class SyncClient:
             except queue.Empty:
                 break
             self._send_control(sock, p.restamp(ctl.header), ctl)
-        while p.welcome is not None and len(self._streams) < 2:
+        while p.welcome is not None and len(self._streams) < (1 if self._lane_pending() else 2):
             try:
                 out = self._outbox.get_nowait()
             except queue.Empty:
@@ -398,17 +399,34 @@ class SyncClient:
                 still.append(out)
         self._streams = still
 
-    def _start_stream(self, out: Outgoing, pacer: Pacer) -> None:
-        """Hand a new stream to a connection: an INIT stream goes on the lane when WELCOME offers one
-        and no other stream uses it (opened on first use), everything else on the first connection."""
+    def _open_lane(self) -> None:
+        """Open the session's INIT lane once, when its WELCOME offers one and asks for INIT."""
         p = self.protocol
         welcome = p.welcome
-        out.lane = (isinstance(out.header, wire.Init) and welcome is not None and welcome.lanes > 0
+        if (welcome is None or welcome.lanes < 1 or not welcome.need_init
+                or self._lane.generation == p.generation):
+            return
+        self._lane.connect(p.generation, p.lane_open)
+
+    def _lane_pending(self) -> bool:
+        """The session's lane is open but not bound yet (no ``LaneOk``), for at most
+        ``lane.BIND_WAIT_S``: a second INIT stream waits for it rather than share the first
+        connection (after that, both go on the first)."""
+        lane = self._lane
+        return (lane.pacer is not None and lane.generation == self.protocol.generation
+                and not self.protocol.lane_ready and time.monotonic() - lane.opened_at < BIND_WAIT_S)
+
+    def _start_stream(self, out: Outgoing, pacer: Pacer) -> None:
+        """Hand a new stream to a connection: an INIT stream goes on the lane once the syncer bound it
+        (``LaneOk``) and no other stream uses it, everything else on the first connection."""
+        p = self.protocol
+        lane = self._lane.pacer if self._lane.generation == p.generation else None
+        out.lane = (lane is not None and isinstance(out.header, wire.Init) and p.lane_ready
                     and not any(o.lane for o in self._streams))
-        if out.lane and (self._lane.pacer is None or self._lane.generation != p.generation):
-            self._lane.connect(p.generation, p.lane_open)
         out.stream = p.stream_of(out)
-        (self._lane.pacer if out.lane and self._lane.pacer is not None else pacer).add(b"", out.stream)
+        (lane if out.lane and lane is not None else pacer).add(b"", out.stream)
+        if out.lane:
+            log.info("island %d: INIT fragment %d on the lane", self._cfg.island_id, out.header.fragment)  # type: ignore[union-attr]
         self._streams.append(out)
 
     def _send_control(self, sock: zmq.Socket, header: wire.Header, out: Outgoing) -> None:

@@ -117,6 +117,8 @@ class ClientProtocol(Inbox, Outbox):
         self._recv_seq = 0
         self._lane_seq = 0
         """Sequence number of the last message sealed for the session's lane (``Outbox.lane_open``)."""
+        self._lane_ready = False
+        """The syncer bound this session's lane (``LaneOk``): INIT streams may go on it."""
         self._feedback = (quant.ErrorFeedback(config.wire_dtype, config.quant_block)
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
@@ -133,6 +135,7 @@ class ClientProtocol(Inbox, Outbox):
         The syncer resends the PULL of every open round we have not pushed to; a push lost
         with the old connection must be answered again, so what was taken is forgotten."""
         self._nonce = self._send_seq = self._recv_seq = self._lane_seq = 0
+        self._lane_ready = False
         with self._guard:
             self._generation = generation
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, island=self._cfg.island_id, generation=generation,
@@ -195,6 +198,11 @@ class ClientProtocol(Inbox, Outbox):
         """The generation of the current connection."""
         with self._guard:
             return self._generation
+
+    @property
+    def lane_ready(self) -> bool:
+        """Whether the syncer bound this session's INIT lane (its ``LaneOk`` came)."""
+        return self._lane_ready
 
     @property
     def welcome(self) -> wire.Welcome | None:

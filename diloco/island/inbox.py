@@ -91,6 +91,7 @@ class Inbox:
     _final_ack: wire.FinalAck | None
     _nonce: int
     _recv_seq: int
+    _lane_ready: bool
     _feedback: quant.ErrorFeedback | None
     _claims: list[str]
     _init_held: tuple[bool, ...]
@@ -203,6 +204,8 @@ class Inbox:
             self._on_bcast(h, tensors, arrival, now)
         elif isinstance(h, wire.Held):
             self._on_held(h)
+        elif isinstance(h, wire.LaneOk):
+            self._lane_ready = h.generation == self._generation  # INIT may use the lane now
         elif isinstance(h, wire.Final):
             if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
                 self._final[h.fragment] = (h, tensors)

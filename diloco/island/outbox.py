@@ -29,6 +29,7 @@ import torch
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.protocol import session
 from diloco.island.delta_source import DeltaSource, PartRing
 from diloco.wire.pacing import Stream
 
@@ -197,20 +198,21 @@ class Outbox:
                       on_handed=handed)
 
     def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD, lane: bool = False) -> list:
-        """Frames of one message of this connection (``lane``: of its lane): session nonce and that
-        connection's next sequence number, taken at send time (the connection seals each message
+        """Frames of one message of this connection (``lane``: of its lane): the session's nonce (the
+        lane's: ``session.lane_nonce``) and that connection's next sequence number, taken at send time (the connection seals each message
         just before the socket gets it)."""
         if lane:
             self._lane_seq += 1
-            seq = self._lane_seq
+            seq, nonce = self._lane_seq, session.lane_nonce(self._nonce)
         else:
             self._send_seq += 1
-            seq = self._send_seq
-        return wire.seal(header, payload, key=self._cfg.key, nonce=self._nonce, seq=seq)
+            seq, nonce = self._send_seq, self._nonce
+        return wire.seal(header, payload, key=self._cfg.key, nonce=nonce, seq=seq)
 
     def lane_open(self) -> list:
         """Frames of the ``Lane`` message that binds a second connection to this session (its
-        sequence starts at 1); only after WELCOME, and only when it offered lanes."""
+        sequence starts at 1); only after WELCOME, and only when it offered lanes. INIT goes on the
+        lane only once the syncer's ``LaneOk`` says it is bound (``ClientProtocol.lane_ready``)."""
         with self._guard:
             gen = self._generation
         self._lane_seq = 0

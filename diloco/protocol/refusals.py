@@ -46,6 +46,7 @@ REASONS: dict[str, str] = {
     "no_lanes": "the syncer takes no second INIT connection (--init-lanes 0)",
     "lane_not_island0": "only island 0 opens an INIT lane",
     "lane_is_session": "a session's first connection cannot also be its lane",
+    "replayed_lane": "the session bound its lane already (a LANE binds once per session)",
     "duplicate_init": "the fragment was already initialised",
     "bad_init": "an INIT value failed the data plane's checks",
     "bad_schema": "the INIT schema is malformed or too large",

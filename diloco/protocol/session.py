@@ -38,6 +38,15 @@ def foreign_nonce(nonce: int, session_nonce: int) -> bool:
     return not session_nonce or nonce != session_nonce
 
 
+LANE_BIT = 1 << (ID_BITS - 1)
+
+
+def lane_nonce(session_nonce: int) -> int:
+    """The nonce of the session's INIT lane (``wire.Lane``): the session's with its top bit flipped, so
+    a message of one connection never passes as the other's (each has its own sequence numbers)."""
+    return session_nonce ^ LANE_BIT if session_nonce else 0
+
+
 def replayed(seq: int, last_seq: int) -> bool:
     """Whether sequence number ``seq`` fails to follow ``last_seq``, the last one accepted in the
     session (a replay, or a message overtaken by a later one)."""

@@ -191,11 +191,19 @@ class Welcome(_HeaderBase, tag="WELCOME"):
 
 class Lane(_HeaderBase, tag="LANE"):
     """island -> syncer, on a second connection of the island's session: it carries INIT parts
-    beside the first (``Welcome.lanes``). Sealed with the session's nonce and the lane's own
-    sequence numbers (this message takes 1), it binds the lane to the island's current
-    generation; only INIT travels on it, and nothing comes back on it."""
+    beside the first (``Welcome.lanes``). Sealed with the lane's nonce (``protocol.session.lane_nonce``
+    of the session's) and the lane's own sequence numbers (this message takes 1), it binds the lane
+    to the island's current generation, once per session (``LaneOk`` answers on the first
+    connection); only INIT travels on it, and nothing comes back on it."""
 
     island: int
+    generation: int
+
+
+class LaneOk(_HeaderBase, tag="LANE_OK"):
+    """syncer -> island 0, on the first connection: the lane of this session is bound; INIT streams
+    may go on it from now on (until then, and if this never comes, INIT stays on the first)."""
+
     generation: int
 
 
@@ -335,12 +343,13 @@ class Error(_HeaderBase, tag="ERROR"):
     """The round of the refused PUSH (``stale_base``), else 0."""
 
 
-Header = (Hello | Welcome | Lane | Init | Pull | Push | Bcast | Held | Heartbeat | Final | FinalAck | Shutdown | Error
+Header = (Hello | Welcome | Lane | LaneOk | Init | Pull | Push | Bcast | Held | Heartbeat | Final | FinalAck | Shutdown | Error
           | Progress)
 HEADER_TYPES: tuple[type, ...] = (
     Hello,
     Welcome,
     Lane,
+    LaneOk,
     Init,
     Pull,
     Push,

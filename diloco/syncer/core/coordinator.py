@@ -51,7 +51,7 @@ from diloco.syncer.core.robust import Reference
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
 from diloco.syncer.core.work import CommitPart, DigestFragment, FoldPart, InitPart, Result, Work
-from diloco.wire import Error, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, Opened, Push, Shutdown
+from diloco.wire import Error, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, LaneOk, Opened, Push, Shutdown
 
 log = logging.getLogger("diloco.syncer.core")
 
@@ -298,7 +298,8 @@ class Coordinator:
             elif isinstance(header, Init):
                 self.admission.on_init(peer, header, msg, now)
             elif isinstance(header, Lane):
-                self.sessions.bind_lane(peer, header.island, header.generation, msg, sender_key)
+                rec = self.sessions.bind_lane(peer, header.island, header.generation, msg, sender_key)
+                out.append(Outgoing(rec.peer, LaneOk(generation=rec.generation)))
             elif isinstance(header, Push):
                 self.pushes.on_push(peer, header, msg, now)
             elif isinstance(header, Heartbeat):

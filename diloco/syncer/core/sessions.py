@@ -104,8 +104,9 @@ class Sessions:
         lane = lane_ok and bool(rec.lane) and peer == rec.lane
         if peer != rec.peer and not lane:
             raise Dropped("wrong_peer", f"island {island} is bound to peer {rec.peer.hex()}, not {peer.hex()}")
-        if session.foreign_nonce(msg.nonce, rec.nonce):
-            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
+        if session.foreign_nonce(msg.nonce, session.lane_nonce(rec.nonce) if lane else rec.nonce):
+            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce"
+                                       f"{' of its lane' if lane else ''}")
         last = rec.lane_seq if lane else rec.recv_seq
         if session.replayed(msg.seq, last):
             raise Dropped("replayed_seq", f"sequence number {msg.seq} <= {last} (a replay)")
@@ -122,38 +123,39 @@ class Sessions:
         """Bind ``peer`` as the lane of ``island``'s current session (``Lane``; ``--init-lanes``).
 
         Refused unless the syncer takes lanes and ``island`` is island 0 (the only one that
-        sends INIT); Dropped (nothing answered) unless the message carries the session's nonce
-        and opens its own sequence (seq 1), comes from a routing id other than the session's
-        first connection, and (Curve) its key owns the island id. A lane that binds replaces
-        the session's earlier one: one lane per island, so the lanes table is bounded by
-        ``--islands``."""
+        sends INIT); Dropped (nothing answered) unless the message carries the session's lane
+        nonce (``protocol.session.lane_nonce``) and opens the lane's own sequence (seq 1), is the
+        session's first LANE (a replayed one binds nothing), comes from a routing id no island is
+        bound to, and (Curve) its key owns the island id. One lane per session, so the lanes
+        table is bounded by ``--islands``; the caller answers ``LaneOk`` on the first connection."""
         if self.config.init_lanes < 1:
             raise Refused("no_lanes", "this syncer takes no second connection (--init-lanes 0)")
         if island != 0:
             raise Refused("lane_not_island0", f"LANE from island {island}; only island 0 sends INIT")
         rec = self.bound_island(island, generation)
-        if peer == rec.peer:
-            raise Dropped("lane_is_session", "a session's first connection cannot be its lane")
-        if session.foreign_nonce(msg.nonce, rec.nonce) or msg.nonce == 0:
-            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not island {island}'s session nonce")
+        if peer == rec.peer or peer in self.peers:
+            raise Dropped("lane_is_session", "a session's first connection cannot be a lane")
+        if session.foreign_nonce(msg.nonce, session.lane_nonce(rec.nonce)):
+            raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not the lane nonce of island {island}'s session")
         if msg.seq != 1:
             raise Dropped("bad_session", f"LANE opens its connection's sequence: seq must be 1, got {msg.seq}")
+        if rec.lane_bound:
+            raise Dropped("replayed_lane", f"island {island}'s session has bound its lane already")
         problem = self.gate.key_problem(island, sender_key)
         if problem:
             raise Dropped("key_not_owner", problem)
         if msg.metas:
             raise Refused("unexpected_tensors", "LANE carries no tensors")
-        self.drop_lane(rec)
-        rec.lane, rec.lane_seq = peer, msg.seq
+        rec.lane, rec.lane_seq, rec.lane_bound = peer, msg.seq, True
         self.lanes[peer] = island
         log.info("island %d: a second connection carries INIT (peer %s)", island, peer.hex())
         return rec
 
     def drop_lane(self, rec: IslandRecord) -> None:
-        """Forget ``rec``'s lane (a new HELLO or lane replaces it)."""
+        """Forget ``rec``'s lane (a new HELLO opens a session that may bind one again)."""
         if rec.lane:
             self.lanes.pop(rec.lane, None)
-        rec.lane, rec.lane_seq = b"", 0
+        rec.lane, rec.lane_seq, rec.lane_bound = b"", 0, False
 
     def bound_island(self, island: int, generation: int) -> IslandRecord:
         """The record of ``island`` if it is bound under ``generation``; Refused otherwise."""

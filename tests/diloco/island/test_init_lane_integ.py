@@ -7,6 +7,7 @@ only when what it received over the two connections is bit for bit what the isla
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -67,9 +68,13 @@ def _key(tmp_path: Path) -> Path:
     return path
 
 
-def test_init_on_two_connections_lands_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_on_two_connections_lands_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="diloco.island.client")
     log = _init(tmp_path, monkeypatch)
     assert "island 0: a second connection carries INIT" in log
+    on_lane = [r.getMessage() for r in caplog.records if "on the lane" in r.getMessage()]
+    assert on_lane and len(on_lane) < FRAGMENTS  # both connections carried fragments
     assert log.count("initialised by island 0") == FRAGMENTS
     assert f"fragments 0-{FRAGMENTS - 1} match the syncer's values, no cut needed" in log
     assert " claiming island " not in log and "refused " not in log  # nothing dropped or refused

@@ -10,8 +10,9 @@ import dataclasses
 import msgspec
 import pytest
 
+from diloco.protocol.session import lane_nonce
 from diloco.syncer.core.config import SyncerConfig
-from diloco.wire import Heartbeat, Lane, Welcome
+from diloco.wire import Heartbeat, Lane, LaneOk, Welcome
 
 from state_driver import Driver, errors, init_parts, of, opened
 
@@ -31,14 +32,17 @@ def hello_all(cfg: SyncerConfig = one.CFG) -> Driver:
 
 def lane_msg(d: Driver, island: int = 0, seq: int = 1, nonce: int | None = None, generation: int | None = None):
     gen = one.GEN[island] if generation is None else generation
-    return opened(Lane(island=island, generation=gen), (), d.nonces[one.peer(island)] if nonce is None else nonce, seq)
+    nonce = lane_nonce(d.nonces[one.peer(island)]) if nonce is None else nonce
+    return opened(Lane(island=island, generation=gen), (), nonce, seq)
 
 
-def init_on(d: Driver, peer: bytes, first_seq: int) -> list:
-    """Island 0's INIT of fragment 0 sent on ``peer`` with that connection's sequence numbers."""
+def init_on(d: Driver, peer: bytes, first_seq: int, nonce: int | None = None) -> list:
+    """Island 0's INIT of fragment 0 sent on ``peer`` with that connection's sequence numbers (and by
+    default the lane's nonce)."""
     out = []
+    nonce = lane_nonce(d.nonces[one.peer(0)]) if nonce is None else nonce
     for k, (header, t) in enumerate(init_parts(0, 1, one.tensors(0), d.E, generation=one.GEN[0])):
-        out += d.handle(peer, opened(header, t, d.nonces[one.peer(0)], first_seq + k))
+        out += d.handle(peer, opened(header, t, nonce, first_seq + k))
     return out
 
 
@@ -53,7 +57,8 @@ def test_welcome_offers_a_lane_to_island_0_only() -> None:
 
 def test_init_on_the_lane_lands_with_its_own_sequence_numbers() -> None:
     d = hello_all()
-    assert d.handle(LANE, lane_msg(d)) == []
+    ok = d.handle(LANE, lane_msg(d))
+    assert [(o.peer, o.header) for o in ok] == [(one.peer(0), LaneOk(generation=one.GEN[0]))]  # on the first
     assert d.st.sessions.islands[0].lane == LANE and d.st.island_of(LANE) == 0
     out = init_on(d, LANE, first_seq=2)  # the lane's own sequence: 1 was LANE
     assert not errors(out) and d.st.initialised
@@ -67,20 +72,23 @@ def test_init_on_the_lane_lands_with_its_own_sequence_numbers() -> None:
 def test_a_lane_carries_init_only() -> None:
     d = hello_all()
     d.handle(LANE, lane_msg(d))
-    hb = opened(Heartbeat(island=0, generation=one.GEN[0], step=1, done=False), (), d.nonces[one.peer(0)], 2)
+    hb = opened(Heartbeat(island=0, generation=one.GEN[0], step=1, done=False), (), lane_nonce(d.nonces[one.peer(0)]), 2)
     assert d.handle(LANE, hb) == [] and d.st.journal.dropped == 1  # wrong_peer: nothing answered
     assert d.st.sessions.islands[0].last_step == 0
 
 
-@pytest.mark.parametrize("why", ["nonce", "zero_nonce", "seq", "generation", "first_connection"])
+@pytest.mark.parametrize("why", ["nonce", "session_nonce", "zero_nonce", "seq", "generation", "first_connection",
+                                 "another_island"])
 def test_a_lane_that_does_not_prove_the_session_binds_nothing(why: str) -> None:
     d = hello_all()
-    peer = one.peer(0) if why == "first_connection" else LANE
-    msg = {"nonce": lambda: lane_msg(d, nonce=d.nonces[one.peer(0)] ^ 1),
+    peer = {"first_connection": one.peer(0), "another_island": one.peer(1)}.get(why, LANE)
+    msg = {"nonce": lambda: lane_msg(d, nonce=lane_nonce(d.nonces[one.peer(0)]) ^ 1),
+           "session_nonce": lambda: lane_msg(d, nonce=d.nonces[one.peer(0)]),  # the first connection's
            "zero_nonce": lambda: lane_msg(d, nonce=0),
            "seq": lambda: lane_msg(d, seq=2),
            "generation": lambda: lane_msg(d, generation=one.GEN[0] + 1),
-           "first_connection": lambda: lane_msg(d, seq=1)}[why]()
+           "first_connection": lambda: lane_msg(d, seq=1),
+           "another_island": lambda: lane_msg(d, seq=1)}[why]()
     out = d.handle(peer, msg)
     assert d.st.sessions.islands[0].lane == b"" and not d.st.sessions.lanes
     if why == "generation":
@@ -105,19 +113,32 @@ def test_a_refusal_on_the_lane_is_answered_on_the_first_connection() -> None:
     d.handle(LANE, lane_msg(d))
     (header, t), *_ = init_parts(0, 1, one.tensors(0), d.E, generation=one.GEN[0])
     bad = msgspec.structs.replace(header, n_fragments=2)
-    out = d.handle(LANE, opened(bad, t, d.nonces[one.peer(0)], 2))
+    out = d.handle(LANE, opened(bad, t, lane_nonce(d.nonces[one.peer(0)]), 2))
     assert errors(out) == ["fragments_mismatch"] and out[0].peer == one.peer(0)
 
 
-def test_a_new_hello_or_lane_replaces_the_lane_and_the_table_stays_bounded() -> None:
+def test_a_lane_binds_once_per_session_and_a_replay_takes_nothing_over() -> None:
     d = hello_all()
-    for k in range(50):  # an admitted island 0 rebinding its lane over and over
-        d.handle(b"lane-%d" % k, lane_msg(d))
-    assert d.st.sessions.lanes == {b"lane-49": 0}
+    captured = lane_msg(d)
+    d.handle(LANE, captured)
+    for k in range(50):  # the captured LANE replayed from other routing ids
+        assert d.handle(b"thief-%d" % k, captured) == []
+    assert d.st.sessions.lanes == {LANE: 0} and d.st.journal.dropped == 50
+    # A first-connection message replayed on the lane fails the lane's nonce; the lane goes on.
+    assert not errors(init_on(d, LANE, first_seq=50, nonce=d.nonces[one.peer(0)]))
+    assert not d.st.initialised and d.st.sessions.islands[0].lane_seq == 1
+    assert not errors(init_on(d, LANE, first_seq=2)) and d.st.initialised
+
+
+def test_a_new_hello_unbinds_the_lane_and_its_session_may_bind_a_new_one() -> None:
+    d = hello_all()
+    d.handle(LANE, lane_msg(d))
     d.send(one.peer(0), one.hello(0, gen=99, numel=(one.NUMEL,)))  # a reconnect: a new session
     assert d.st.sessions.lanes == {} and d.st.sessions.islands[0].lane == b""
     # INIT on the old lane is dropped: it belongs to the retired session.
     out = []
     for k, (header, t) in enumerate(init_parts(0, 1, one.tensors(0), d.E, generation=99)):
-        out += d.handle(b"lane-49", opened(header, t, d.nonces[one.peer(0)], 2 + k))
+        out += d.handle(LANE, opened(header, t, lane_nonce(d.nonces[one.peer(0)]), 2 + k))
     assert not d.st.initialised
+    d.handle(b"lane-2", lane_msg(d, generation=99))
+    assert d.st.sessions.lanes == {b"lane-2": 0}
