@@ -52,8 +52,6 @@ ISLAND_MMAP_BYTES = 32 << 20
 ISLAND_TRIM_BYTES = 1 << 30
 
 _island_done = False
-_malloc_trim: Any = None
-"""glibc's ``malloc_trim``, once looked up (:func:`trim_heap`)."""
 
 
 def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
@@ -91,30 +89,38 @@ def tune_island_malloc() -> bool:
     return _island_done
 
 
+def _libc(name: str, argtypes: list[Any], restype: Any = None) -> Any:
+    """glibc's function ``name``, looked up once (find_library runs ldconfig, and the syncer calls
+    these per commit); None off Linux/glibc or when it is missing."""
+    if name not in _LIBC:
+        fn = None
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+                fn.argtypes, fn.restype = argtypes, restype
+            except (OSError, AttributeError):
+                fn = None
+        _LIBC[name] = fn
+    return _LIBC[name]
+
+
+_LIBC: dict[str, Any] = {}
+
+
 def trim_heap() -> bool:
     """Give freed heap memory back to the kernel now (``malloc_trim(0)``); True when it ran.
 
     For the end of a process's big phase (an island after its final cut): the raised trim
     threshold otherwise keeps every freed byte resident."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-            return False
-        try:
-            # Looked up once: find_library runs ldconfig, and the syncer trims once per commit.
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            return False
-        fn.argtypes = [ctypes.c_size_t]
-        _malloc_trim = fn
-    _malloc_trim(0)
+    fn = _libc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    if fn is None:
+        return False
+    fn(0)
     return True
 
 
 MADV_DONTNEED = 4
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_madvise: Any = None
-"""glibc's ``madvise``, once looked up (:func:`release_pages`)."""
 
 
 def sole_owner(t: torch.Tensor) -> bool | None:
@@ -136,17 +142,9 @@ def release_pages(t: torch.Tensor, lo: int, hi: int) -> int:
     The caller promises that nothing reads those elements again: afterwards they read as zeros
     (anonymous memory) or as the file's bytes (a file mapping). Pages shared with elements outside
     the range are kept."""
-    global _madvise
-    if _madvise is None:
-        if platform.system() != "Linux":
-            return 0
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-        except (OSError, AttributeError):
-            return 0
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
+    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+    if madvise is None:
+        return 0
     size = t.element_size()
     start = t.data_ptr() + lo * size
     end = t.data_ptr() + hi * size
@@ -154,7 +152,7 @@ def release_pages(t: torch.Tensor, lo: int, hi: int) -> int:
     last = end // PAGE_BYTES * PAGE_BYTES
     if last <= first:
         return 0
-    if _madvise(first, last - first, MADV_DONTNEED) != 0:
+    if madvise(first, last - first, MADV_DONTNEED) != 0:
         return 0
     return last - first
 

@@ -39,12 +39,11 @@ from diloco.island.client_protocol import ClientProtocol
 from diloco.island.delta_source import DeltaSource, PartRing
 from diloco.island.effects import Effects, SyncError
 from diloco.island.inbox import ReceiveTarget
-from diloco.island.lane import BIND_WAIT_S, InitLane
+from diloco.island.lane import BIND_WAIT_S, InitLane, dial
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outgoing
 from diloco.protocol import session
-from diloco.security import secure_client
 from diloco.wire.pacing import Pacer, send_tracked
 
 log = logging.getLogger(__name__)
@@ -260,15 +259,9 @@ class SyncClient:
     def _new_socket(self, ctx: zmq.Context) -> zmq.Socket:
         gen = session.draw_id()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, f"island-{self._cfg.island_id}-{gen:x}".encode())
-        sock.setsockopt(zmq.SNDHWM, 64)
-        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         # Like the syncer, refuse frames far above a part before zmq allocates them.
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_header_bytes + wire.Limits().max_chunk_bytes + (1 << 20))
-        if self._curve is not None:
-            secure_client(sock, self._curve)
-        sock.connect(self._cfg.sync_addr)
+        dial(sock, f"island-{self._cfg.island_id}-{gen:x}", RECEIVE_HWM,
+             wire.Limits().max_header_bytes + wire.Limits().max_chunk_bytes + (1 << 20), self._curve, self._cfg.sync_addr)
         sock.send_multipart(self.protocol.hello(gen), copy=False)  # nonce 0, seq 0: opens a session
         log.info("island %d: HELLO to %s (generation %x)", self._cfg.island_id, self._cfg.sync_addr, gen)
         return sock

@@ -30,11 +30,25 @@ from diloco.wire.pacing import Pacer, send_tracked
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BIND_WAIT_S", "InitLane"]
+__all__ = ["BIND_WAIT_S", "InitLane", "dial"]
 
 BIND_WAIT_S = 2.0
 """Longest a second INIT stream waits for the syncer's ``LaneOk`` before it goes on the first
 connection too (a loopback round trip takes milliseconds; a lane refused or lost costs this once)."""
+
+
+def dial(sock: zmq.Socket[Any], routing_id: str, rcvhwm: int, max_msg_bytes: int, curve: Any, address: str) -> None:
+    """Set up an island's DEALER socket the one way both of its connections use (no linger, a
+    64-message send queue, ``rcvhwm`` received messages, frames above ``max_msg_bytes`` refused
+    before zmq allocates them, Curve when given) and connect it to ``address``."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    if curve is not None:
+        secure_client(sock, curve)
+    sock.connect(address)
 
 
 class InitLane:
@@ -59,10 +73,6 @@ class InitLane:
         self.opened_at = 0.0
         """Clock when the lane of ``generation`` was opened (its ``Lane`` sent)."""
 
-    @property
-    def open(self) -> bool:
-        return self.pacer is not None
-
     def connect(self, generation: int, lane_open: Callable[[], list]) -> Pacer:
         """Open the lane of session ``generation`` and send its ``Lane`` message (``lane_open``:
         the sealed frames); returns its pacer. The socket's options are the first connection's."""
@@ -71,14 +81,9 @@ class InitLane:
         self.opened_at = time.monotonic()
         self.ctx = zmq.Context(io_threads=1)
         sock = self.sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, f"island-{self.island}-{generation:x}-lane".encode())
-        sock.setsockopt(zmq.SNDHWM, 64)
-        sock.setsockopt(zmq.RCVHWM, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.Limits().max_header_bytes + (1 << 20))  # nothing comes back
-        if self.curve is not None:
-            secure_client(sock, self.curve)
-        sock.connect(self.address)
+        # Nothing comes back on a lane: the smallest receive queue and frame limit.
+        dial(sock, f"island-{self.island}-{generation:x}-lane", 1, wire.Limits().max_header_bytes + (1 << 20),
+             self.curve, self.address)
         sock.send_multipart(lane_open(), copy=False)
         self.pacer = Pacer(self.window, lambda _dest, frames, track: send_tracked(sock, frames, zmq.NOBLOCK, track))
         log.info("island %d: INIT lane open to %s (generation %x)", self.island, self.address, generation)

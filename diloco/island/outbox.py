@@ -199,8 +199,8 @@ class Outbox:
 
     def seal(self, header: wire.Header, payload: wire.Payload = wire.EMPTY_PAYLOAD, lane: bool = False) -> list:
         """Frames of one message of this connection (``lane``: of its lane): the session's nonce (the
-        lane's: ``session.lane_nonce``) and that connection's next sequence number, taken at send time (the connection seals each message
-        just before the socket gets it)."""
+        lane's: ``session.lane_nonce``) and that connection's next sequence number, taken at send
+        time (the connection seals each message just before the socket gets it)."""
         if lane:
             self._lane_seq += 1
             seq, nonce = self._lane_seq, session.lane_nonce(self._nonce)

@@ -11,8 +11,9 @@ no digest or final cut reads it, and it holds back cuts and resends of that frag
 commit lands). This driver makes the last check, on the loop thread, after the turn's streams have
 started (so every reader that exists holds a view of the value): the value's storage must have no
 other tensor or array over it (``hostmem.sole_owner``), the fp32 payloads of that version being
-dropped from the shared cache first (a stream already holding their list keeps the value whole). Then no stream of that version starts until the commit lands
-(``payloads.payload_source`` refuses it; the new version follows to every island).
+dropped from the shared cache first (a stream already holding their list keeps the value whole).
+Then no stream of that version starts until the commit lands (``payloads.payload_source`` refuses
+it; the new version follows to every island).
 """
 
 from __future__ import annotations

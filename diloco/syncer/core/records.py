@@ -90,10 +90,9 @@ class IslandRecord:
     send_seq: int = 0
     """Sequence number of the last message sealed for the island."""
     lane: bytes = b""
-    """Routing id of the session's second connection (``Lane``: INIT only), b"" for none."""
+    """Routing id of the session's second connection (``Lane``: INIT only), b"" for none; bound once
+    per session."""
     lane_seq: int = 0
-    lane_bound: bool = False
-    """The current session bound its lane (once per session: a replayed LANE binds nothing)."""
     """Sequence number of the last accepted message on the lane (its own, strictly increasing)."""
     via_lane: bool = False
     """The message being handled came on the lane (``Sessions.session`` to ``Sessions.touch``)."""

@@ -139,14 +139,14 @@ class Sessions:
             raise Dropped("bad_nonce", f"nonce {msg.nonce:x} is not the lane nonce of island {island}'s session")
         if msg.seq != 1:
             raise Dropped("bad_session", f"LANE opens its connection's sequence: seq must be 1, got {msg.seq}")
-        if rec.lane_bound:
+        if rec.lane:  # a lane binds once per session: a new HELLO unbinds it (``drop_lane``)
             raise Dropped("replayed_lane", f"island {island}'s session has bound its lane already")
         problem = self.gate.key_problem(island, sender_key)
         if problem:
             raise Dropped("key_not_owner", problem)
         if msg.metas:
             raise Refused("unexpected_tensors", "LANE carries no tensors")
-        rec.lane, rec.lane_seq, rec.lane_bound = peer, msg.seq, True
+        rec.lane, rec.lane_seq = peer, msg.seq
         self.lanes[peer] = island
         log.info("island %d: a second connection carries INIT (peer %s)", island, peer.hex())
         return rec
@@ -155,7 +155,7 @@ class Sessions:
         """Forget ``rec``'s lane (a new HELLO opens a session that may bind one again)."""
         if rec.lane:
             self.lanes.pop(rec.lane, None)
-        rec.lane, rec.lane_seq, rec.lane_bound = b"", 0, False
+        rec.lane, rec.lane_seq = b"", 0
 
     def bound_island(self, island: int, generation: int) -> IslandRecord:
         """The record of ``island`` if it is bound under ``generation``; Refused otherwise."""
