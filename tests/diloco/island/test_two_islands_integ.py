@@ -40,7 +40,10 @@ def test_tp2_and_pp2_islands_end_identical(tmp_path) -> None:
             [sys.executable, "-m", "diloco.demo.island", "--name", f"island{i}", "--island-id", str(i),
              "--layout", layout, "--sync-addr", addr, "--steps", str(steps), "--fragments", str(fragments),
              "--out", out, "--hidden", "32", "--layers", "2", "--seq", "16", "--micro-batch", "2",
-             "--data-seed", str(i), "--timeout-s", "300"],
+             "--data-seed", str(i), "--timeout-s", "300",
+             # Both islands start their first step together (as yeto-demo's do): on a loaded machine
+             # one joining seconds late would miss the training rounds the assertions below count.
+             "--start-together", "2"],
             stdout=open(tmp_path / f"island{i}.log", "w"), stderr=subprocess.STDOUT, env=env))
     try:
         codes = [p.wait(timeout=360) for p in islands]
