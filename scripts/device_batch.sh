@@ -3,9 +3,12 @@
 # device returns only a few files) and every report printed to stdout.
 # usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (DIGEST=0 in the environment: island jobs skip the end-to-end digest files, for whole-run timing)
-# (an island job may carry a tag: 2.7b_a, 2.7b_b, ... each keep their results apart)
+# (an island job may carry a tag: 2.7b_a, 2.7b-np_a, ... each keep their results apart; a tag holding
+# "one", 2.7b_one / 2.7b-np_one, runs one island instead of two)
 # Environment: WHEELS (default .whl), STEPS / SYNC_EVERY (default 48 / 16 for the 2.7b jobs),
-# PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py).
+# PROFILE=1 (the island jobs: the syncer's CPU per thread and a py-spy window, scripts/profile_syncer.py),
+# PROFILE_ISLAND=1 (the same for island 0, py-spy sampling only the GIL holder), ISLANDS_ALL=1 (every job one island).
+# Every island job samples the GPU's utilization twice a second (gpu.csv beside its report).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS=${WHEELS:-$REPO/.whl}
@@ -14,9 +17,14 @@ WORKDIR=/tmp/yeto_batch_results
 mkdir -p "$WORKDIR" "$DEST"
 export STEPS=${STEPS:-48} SYNC_EVERY=${SYNC_EVERY:-16}
 installed=0
+GPUW=
+gpu_watch() { nvidia-smi --query-gpu=timestamp,utilization.gpu,utilization.memory,memory.used --format=csv,noheader,nounits \
+  -lms 500 >"$1" 2>/dev/null & GPUW=$!; }
+gpu_summary() { awk -F', ' '$2 > 0 {n++; u += $2; m += $3} END {if (n) printf "[gpu] %d busy samples: utilization %.0f %%, memory %.0f %%\n", n, u / n, m / n}' "$1"; }
 install() { [ $installed = 1 ] && return; python3 -m pip install -q --no-deps --no-index $(find "$WHEELS" -type f -name '*.whl') >"$WORKDIR/pip.log" 2>&1; installed=1; }
 for job in "$@"; do
   echo "=== $job $(date +%T)"
+  case "$job" in *_one*) export ISLANDS=1 ;; *) export ISLANDS=${ISLANDS_ALL:-2} ;; esac  # a tag with "one": one island
   case "$job" in
     probe) install; PYTHONPATH=$REPO python3 "$REPO/scripts/probe_fork.py" --gib 8 2>&1 | tail -3 ;;
     wire) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_wire.py" 2>&1 | tail -1 ;;
@@ -41,15 +49,26 @@ for job in "$@"; do
            | tee -a "$WORKDIR/zmqinit.txt"
        done ;;
     scale) install; PYTHONPATH=$REPO python3 "$REPO/benchmarks/bench_scale.py" --gib 2.5 --rounds 4 2>&1 | tail -1 ;;
-    *-np) install; OUT=$WORKDIR/np NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%-np}" "$WHEELS" 2>&1 | tail -8 ;;
-    *) install
+    *-np*) install; mkdir -p "$WORKDIR/$job"; gpu_watch "$WORKDIR/$job/gpu.csv"
+       OUT=$WORKDIR/$job NO_PLUGIN=1 SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%%-np*}" "$WHEELS" 2>&1 | tail -8
+       kill $GPUW 2>/dev/null; gpu_summary "$WORKDIR/$job/gpu.csv" ;;
+    *) install; mkdir -p "$WORKDIR/$job"; gpu_watch "$WORKDIR/$job/gpu.csv"
        if [ "${PROFILE:-0}" = 1 ]; then
          python3 "$REPO/scripts/profile_syncer.py" "$WORKDIR/prof_$job" --delay-s "${PROFILE_DELAY_S:-40}" \
            --spy-s "${PROFILE_SPY_S:-30}" >"$WORKDIR/prof_$job.txt" 2>&1 &
        fi
+       if [ "${PROFILE_ISLAND:-0}" = 1 ]; then
+         python3 "$REPO/scripts/profile_syncer.py" "$WORKDIR/prof_island_$job" --match _megatron --env YETO_ISLAND_ID=0 \
+           --settle-s 20 --gil --delay-s "${PROFILE_DELAY_S:-40}" --spy-s "${PROFILE_SPY_S:-30}" \
+           >"$WORKDIR/prof_island_$job.txt" 2>&1 &
+       fi
        OUT=$WORKDIR/$job SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%%_*}" "$WHEELS" >/dev/null 2>&1
+       kill $GPUW 2>/dev/null
        wait
+       gpu_summary "$WORKDIR/$job/gpu.csv"
        [ -f "$WORKDIR/prof_$job.txt" ] && head -12 "$WORKDIR/prof_$job.txt"
+       [ -f "$WORKDIR/prof_island_$job.txt" ] && head -16 "$WORKDIR/prof_island_$job.txt" \
+         && python3 "$REPO/scripts/spy_summary.py" "$WORKDIR/prof_island_$job/spy.txt" --leaves 25 --depth 3
        grep -v "^\s*$" "$WORKDIR/$job/${job%%_*}/report.txt" | grep -v "loss lines\|'loss'" | tail -45 ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$WORKDIR" --exclude='*.pt' --exclude='ckpt' . 2>/dev/null  # after every job

@@ -1,12 +1,17 @@
-"""Profile a running syncer from outside: CPU time per thread, and one py-spy window (device runs).
+"""Profile a running syncer (or island) from outside: CPU time per thread, one py-spy window (device runs).
 
-    python scripts/profile_syncer.py OUT_DIR [--delay-s 30] [--spy-s 40]
+    python scripts/profile_syncer.py OUT_DIR [--delay-s 30] [--spy-s 40] [--match TEXT] [--env VAR=VALUE] [--gil]
 
-Waits (up to 10 minutes) for a process whose command line holds ``diloco.syncer``, then until it
+Waits (up to 10 minutes) for a process whose command line holds ``--match`` (default
+``-m diloco.syncer``) and, with ``--env``, whose environment holds that pair (an island:
+``--match _megatron --env YETO_ISLAND_ID=0``; of several, the one with the most threads once
+``--delay-s`` passed), then until it
 exits samples every thread's CPU time from ``/proc/PID/task/*/stat`` once a second and writes
 ``OUT_DIR/threads.json`` (per thread: name, CPU seconds per one-second sample). After
 ``--delay-s`` it runs ``py-spy record --native`` for ``--spy-s`` seconds into
-``OUT_DIR/syncer.spy.txt`` (collapsed stacks), if py-spy is installed. It prints a summary: each
+``OUT_DIR/spy.txt`` (collapsed stacks; with ``--gil`` only the thread holding the GIL is
+sampled, so each thread's share of the samples is its share of the GIL), plus one ``py-spy dump``
+(``OUT_DIR/dump.txt``: the threads' Python names), if py-spy is installed. It prints a summary: each
 thread's busiest 10-second window as a share of one core, so a saturated thread (a zmq I/O thread
 at 100 %) shows.
 """
@@ -25,22 +30,40 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def find_syncer(timeout_s: float) -> int | None:
-    """The pid of the first process whose command line holds ``diloco.syncer``."""
-    deadline = time.monotonic() + timeout_s
+def matching(match: str, env: str | None) -> list[int]:
+    """Pids whose command line holds ``match`` and (if given) whose environment holds ``env``."""
     me = os.getpid()
-    while time.monotonic() < deadline:
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit() or int(d.name) == me:
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+            if match.encode() not in cmd or b"profile_syncer" in cmd:
                 continue
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
+            if env is not None and env.encode() not in (d / "environ").read_bytes().split(b"\0"):
                 continue
-            if b"-m diloco.syncer" in cmd:
-                return int(d.name)
+        except OSError:
+            continue
+        found.append(int(d.name))
+    return found
+
+
+def find_target(match: str, env: str | None, timeout_s: float, settle_s: float) -> int | None:
+    """The matching process with the most threads, ``settle_s`` after the first one appeared."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not matching(match, env):
         time.sleep(0.2)
-    return None
+    time.sleep(settle_s)
+    best: tuple[int, int] | None = None
+    for pid in matching(match, env):
+        try:
+            n = len(list(Path(f"/proc/{pid}/task").iterdir()))
+        except OSError:
+            continue
+        if best is None or n > best[0]:
+            best = (n, pid)
+    return None if best is None else best[1]
 
 
 def thread_times(pid: int) -> dict[str, tuple[str, float]]:
@@ -62,11 +85,15 @@ def main() -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--delay-s", type=float, default=30.0)
     p.add_argument("--spy-s", type=float, default=40.0)
+    p.add_argument("--match", default="-m diloco.syncer")
+    p.add_argument("--env", default=None)
+    p.add_argument("--settle-s", type=float, default=0.0, help="wait this long after the first match")
+    p.add_argument("--gil", action="store_true", help="py-spy samples only the GIL holder")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    pid = find_syncer(600.0)
+    pid = find_target(a.match, a.env, 600.0, a.settle_s)
     if pid is None:
-        print("profile_syncer: no syncer appeared", file=sys.stderr)
+        print(f"profile_syncer: no process matching {a.match!r} appeared", file=sys.stderr)
         return 1
     t0 = time.monotonic()
     spy = None
@@ -84,9 +111,12 @@ def main() -> int:
             s["cpu"].append(round(cpu - last.get(tid, cpu), 3))
             last[tid] = cpu
         if spy is None and now >= a.delay_s and shutil.which("py-spy"):
+            with open(a.out / "dump.txt", "w") as dump:
+                subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=dump, stderr=subprocess.STDOUT,
+                               timeout=30, check=False)
             spy = subprocess.Popen(["py-spy", "record", "--native", "--pid", str(pid), "--duration",
                                     str(int(a.spy_s)), "--rate", "50", "--format", "raw", "--threads",
-                                    "--output", str(a.out / "syncer.spy.txt")],
+                                    *(["--gil"] if a.gil else []), "--output", str(a.out / "spy.txt")],
                                    stdout=subprocess.DEVNULL, stderr=open(a.out / "pyspy.log", "w"))
         time.sleep(1.0)
     if spy is not None:

@@ -14,6 +14,7 @@
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
 #   DIGEST=0 to skip the islands' end-to-end digest files (whole-run timing of what a user runs),
 #   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs),
+#   ISLANDS=1 (one island instead of two: the issue's one-island run),
 #   NO_PLUGIN=1 (the same two jobs without the plugin and without a syncer: the baseline of the
 #   "whole run" figure; the report gives each island's wall time either way).
 # Exit status: 0 only if the syncer and both islands exit 0 and both final digests are equal.
@@ -24,7 +25,8 @@ RESULT=${2:-${OUT:-/tmp/yeto_swift_out}}
 WORK=${WORK:-/tmp/yeto_swift}
 KIT=${SWIFT_KIT:-$WHEELS/kit}
 PY=${PY:-python3}
-STEPS=${STEPS:-40}; SYNC_EVERY=${SYNC_EVERY:-8}; FRAGMENTS=${FRAGMENTS:-2}
+STEPS=${STEPS:-40}; SYNC_EVERY=${SYNC_EVERY:-8}; FRAGMENTS=${FRAGMENTS:-2}; ISLANDS=${ISLANDS:-2}
+case "$ISLANDS" in 1|2) ;; *) echo "ISLANDS must be 1 or 2, not '$ISLANDS'" >&2; exit 2 ;; esac
 SYNC_PORT=${SYNC_PORT:-5599}; ISLAND_TIMEOUT_S=${ISLAND_TIMEOUT_S:-420}
 mkdir -p "$WORK" "$RESULT"
 REPORT="$WORK/report.txt"; : >"$REPORT"
@@ -68,7 +70,7 @@ if [ -n "${NO_PLUGIN:-}" ]; then
   sleep infinity & SYNCER=$!  # no syncer: a placeholder the waits below can end
 else
   PLUGIN_ARGS=(--external_plugins "$TE_PLUGIN" "$PLUGIN" --callbacks yeto)
-PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" env ${SYNCER_ENV:-} $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands 2 --sync-every "$SYNC_EVERY" \
+PYTHONPATH="${SYNCER_PYTHONPATH:+$SYNCER_PYTHONPATH:}$PYTHONPATH" env ${SYNCER_ENV:-} $PY -m diloco.syncer --bind "tcp://127.0.0.1:$SYNC_PORT" --islands "$ISLANDS" --sync-every "$SYNC_EVERY" \
   --total-steps "$STEPS" --grace-ms 500 --quorum-timeout-s 120 --final-timeout-s 300 --dead-after-s 120 \
   --checkpoint-dir "$WORK/ckpt" --checkpoint-every 0 --event-log "$WORK/events.jsonl" --status-every-s 10 ${SYNCER_ARGS:-} \
   >"$WORK/syncer.log" 2>&1 &
@@ -101,11 +103,12 @@ island() {  # island ID MASTER_PORT
 # 2.7B: a check of this script, not part of a user's run); the syncer's FINAL_ACK check remains.
 if [ "${DIGEST:-1}" != 0 ]; then DIGEST_ENV="YETO_DILOCO_DIGEST_FILE=$WORK/digest-{island}.json"; else DIGEST_ENV=""; fi
 T_START_MS=$(( $(date +%s%N) / 1000000 ))
+ISL=$(seq 0 $((ISLANDS - 1)))
 island 0 29510 & I0=$!
-island 1 29520 & I1=$!
+RC1=0; [ "$ISLANDS" = 2 ] && { island 1 29520 & I1=$!; }
 wait $I0; RC0=$?
-wait $I1; RC1=$?
-say "island wall times (launch to exit, s): $(for i in 0 1; do awk '{printf "%.1f ", $1 / 1000}' "$WORK/wall-$i.ms"; done)"
+[ "$ISLANDS" = 2 ] && { wait $I1; RC1=$?; }
+say "island wall times (launch to exit, s): $(for i in $ISL; do awk '{printf "%.1f ", $1 / 1000}' "$WORK/wall-$i.ms"; done)"
 if [ -n "${NO_PLUGIN:-}" ]; then kill $SYNCER 2>/dev/null; wait $SYNCER 2>/dev/null; say "exit codes (no plugin): island0=$RC0 island1=$RC1"; cp "$REPORT" "$WORK/island0.log" "$WORK/island1.log" "$RESULT/" 2>/dev/null; [ "$RC0" = 0 ] && [ "$RC1" = 0 ]; exit $?; fi
 # The syncer exits by itself after both FINAL_ACKs; bound the wait anyway.
 for _ in $(seq 60); do kill -0 $SYNCER 2>/dev/null || break; sleep 1; done
@@ -114,7 +117,7 @@ wait $SYNCER; RCS=$?
 say "exit codes: island0=$RC0 island1=$RC1 syncer=$RCS"
 
 # --- 5. results: steps, commits, digests, step-log tables -------------------------------------
-for i in 0 1; do
+for i in $ISL; do
   say "island$i: $(grep -c '"step"' "$WORK/steps-$i.jsonl" 2>/dev/null || echo 0) step-log lines, last iteration: \
 $(grep -o "iteration=[0-9]*\|'iteration': '[0-9]*/[0-9]*'" "$WORK/island$i.log" | tail -1)"
   say "digest island$i: $(cat "$WORK/digest-$i.json" 2>/dev/null || echo MISSING)"
@@ -123,9 +126,10 @@ say "commits (changed): $(grep -c '"changed": true' "$WORK/events.jsonl" 2>/dev/
 D0=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['digest'])" "$WORK/digest-0.json" 2>/dev/null)
 D1=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['digest'])" "$WORK/digest-1.json" 2>/dev/null)
 if [ "${DIGEST:-1}" = 0 ]; then SAME=1; say "DIGEST=0: no digest files (the syncer checked every FINAL_ACK's digests: exit $RCS)"
+elif [ "$ISLANDS" = 1 ] && [ -n "$D0" ]; then SAME=1; say "one island, digest $D0"
 elif [ -n "$D0" ] && [ "$D0" = "$D1" ]; then SAME=1; say "DIGESTS EQUAL: $D0"; else SAME=0; say "DIGESTS DIFFER OR MISSING: '$D0' vs '$D1'"; fi
-$PY -m diloco.steplog_report "$WORK/steps-0.jsonl" "$WORK/steps-1.jsonl" 2>&1 | tee -a "$REPORT"
-for i in 0 1; do say "island$i loss lines:"; grep -o "'loss': [0-9.]*" "$WORK/island$i.log" | tr '\n' ' ' | tee -a "$REPORT"; echo | tee -a "$REPORT"; done
+$PY -m diloco.steplog_report $(for i in $ISL; do echo "$WORK/steps-$i.jsonl"; done) 2>&1 | tee -a "$REPORT"
+for i in $ISL; do say "island$i loss lines:"; grep -o "'loss': [0-9.]*" "$WORK/island$i.log" | tr '\n' ' ' | tee -a "$REPORT"; echo | tee -a "$REPORT"; done
 
 # At most 8 files come back from the device: the report, three logs, and one archive of the rest.
 cp "$REPORT" "$WORK/syncer.log" "$WORK/island0.log" "$WORK/island1.log" "$RESULT/" 2>/dev/null
