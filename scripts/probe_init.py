@@ -24,7 +24,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +54,43 @@ def busy(before: dict, after: dict, seconds: float) -> list[str]:
     return [r for _, r in sorted(rows, reverse=True)]
 
 
+class Trainer:
+    """A thread that launches small torch ops back to back, as a training loop's Python does: each op
+    releases the GIL and takes it back, so a thread holding the GIL meanwhile slows it down."""
+
+    def __init__(self) -> None:
+        self.x = torch.zeros(256)
+        self.ops = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe-train", daemon=True)
+        self._t0 = 0.0
+
+    def _spin(self, until: Callable[[], bool]) -> int:
+        n, x = 0, self.x
+        while not until():
+            for _ in range(100):
+                x.add_(1.0)
+            n += 100
+        return n
+
+    def rate_alone(self, seconds: float) -> float:
+        t0 = time.monotonic()
+        n = self._spin(lambda: time.monotonic() - t0 > seconds)
+        return n / (time.monotonic() - t0)
+
+    def _run(self) -> None:
+        self.ops = self._spin(self._stop.is_set)
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.ops / (time.monotonic() - self._t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=2.5)
@@ -63,6 +102,9 @@ def main() -> int:
     ap.add_argument("--spy", type=Path, default=None,
                     help="record py-spy stacks (native, idle included) of the syncer and of this process "
                          "during INIT into this folder: syncer.txt, island.txt, syncer_gil.txt")
+    ap.add_argument("--train", action="store_true",
+                    help="a thread launches small torch ops throughout, as a training loop does: their rate "
+                         "during INIT over their rate alone (train_rate_ratio) is what streaming costs training")
     ap.add_argument("--no-claims", action="store_true",
                     help="claim nothing in HELLO: the syncer sends the cut back while INIT streams")
     a = ap.parse_args()
@@ -108,6 +150,10 @@ def main() -> int:
                                                "--output", str(a.spy / f"{name}.txt"), *extra],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)  # py-spy attaches
+        trainer = Trainer() if a.train else None
+        alone = trainer.rate_alone(1.0) if trainer is not None else 0.0
+        if trainer is not None:
+            trainer.start()
         s0, c0 = thread_cpu(syncer.pid), thread_cpu(os.getpid())
         t0 = time.monotonic()
         inflight: list = []
@@ -121,6 +167,7 @@ def main() -> int:
                 raise SystemExit("INIT send timed out")
         sent_s = time.monotonic() - t0
         s1, c1 = thread_cpu(syncer.pid), thread_cpu(os.getpid())
+        during = trainer.stop() if trainer is not None else 0.0
         cut = set(range(a.fragments)) if not a.no_claims else set()  # claimed: HELD, nothing comes back
         while len(cut) < a.fragments and time.monotonic() - t0 < 300:
             if client.wait_bcast(0.01):
@@ -135,11 +182,15 @@ def main() -> int:
               f"cut at {cut_s:.2f}s")
         print("  syncer threads during INIT:", ", ".join(busy(s0, s1, sent_s)))
         print("  island threads during INIT:", ", ".join(busy(c0, c1, sent_s)))
+        if trainer is not None:
+            print(f"  training thread: {alone:.0f} ops/s alone, {during:.0f} ops/s during INIT "
+                  f"({during / alone:.3f})")
         for spy in spies:
             spy.wait(timeout=60)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
                           "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
-                          "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments}))
+                          "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments,
+                          **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {})}))
         return 0
     finally:
         if client is not None:
