@@ -227,11 +227,15 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5, part
     acc, tmp = np.empty(numel, dtype=np.float32), np.empty(numel, dtype=np.float32)
     mu, lr, total = np.float32(hyper.momentum), np.float32(hyper.lr), np.float32(sum(weights))
 
+    phases = {"fold": [], "commit": [], "numpy_fold": [], "numpy_commit": []}
+
     def numpy_step() -> None:
+        t0 = time.perf_counter()
         np.multiply(nd[0], np.float32(weights[0]), out=acc)
         for d, w in zip(nd[1:], weights[1:]):
             np.multiply(d, np.float32(w), out=tmp)
             np.add(acc, tmp, out=acc)
+        phases["numpy_fold"].append(time.perf_counter() - t0)
         np.divide(acc, total, out=acc)
         np.negative(acc, out=acc)
         np.multiply(nm, mu, out=nm)
@@ -240,20 +244,24 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5, part
         np.add(tmp, acc, out=tmp)
         np.multiply(tmp, lr, out=tmp)
         np.subtract(nv, tmp, out=nv)
+        phases["numpy_commit"].append(time.perf_counter() - t0 - phases["numpy_fold"][-1])
 
     def ours_step() -> None:
+        t0 = time.perf_counter()
         rs = RoundSum(1, 0, 0, state["spare"], n_parts)
         for i, parts in enumerate(pushes):
             for k, opened in enumerate(parts):
                 lo, _hi = layout.part_range(k, part_elems)
                 res = run_work(FoldPart(rs, k, lo, opened, weights[i], i))
                 assert res.error is None, res.error
+        phases["fold"].append(time.perf_counter() - t0)
         for k in range(n_parts):
             lo, hi = layout.part_range(k, part_elems)
             # check=False: the syncer proves the step finite from its magnitude bounds (kernels.step_bounds)
             run_work(CommitPart(1, 0, k, state["value"], mom, None, rs, sum(weights), hyper, layout,
                                 part_elems, ("float32",), 1, check=False))
         state["spare"], state["value"] = state["value"], rs.flat
+        phases["commit"].append(time.perf_counter() - t0 - phases["fold"][-1])
 
     ours_times, numpy_times = [], []
     for i in range(repeat + 1):  # the first pass of each warms buffers and is not timed
@@ -273,9 +281,13 @@ def bench_merge_vs_numpy(mib: int = 128, islands: int = 4, repeat: int = 5, part
     print(f"merge (b): {mib} MiB fp32 fragment, {islands} islands' fp32 deltas, median of {repeat}")
     print(f"  numpy in-place ufuncs  : {base * 1e3:8.1f} ms")
     print(f"  syncer data plane      : {ours * 1e3:8.1f} ms (verify + fold + outer step + payload digests)")
+    split = {k: round(statistics.median(v[1:]) * 1e3, 2) for k, v in phases.items()}  # the warm-up pass left out
+    print(f"  of which folds {split['fold']} ms and the step {split['commit']} ms (numpy: "
+          f"{split['numpy_fold']} and {split['numpy_commit']} ms)")
     print(f"  merge_vs_numpy (numpy/ours): {base / ours:.3f}  (target >= 1.0)")
     return {"merge_vs_numpy": round(base / ours, 4), "merge_ms": round(ours * 1e3, 2),
-            "numpy_merge_ms": round(base * 1e3, 2), "merge_mib": mib}
+            "numpy_merge_ms": round(base * 1e3, 2), "merge_mib": mib,
+            **{f"{k}_ms": v for k, v in split.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:

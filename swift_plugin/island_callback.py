@@ -9,9 +9,12 @@ the reduced metrics every ``--logging_steps``, ``on_train_end`` after the last s
 * ``on_train_begin`` → read ``YETO_*`` (:meth:`IslandConfig.from_env`), create the island's
   gloo group, build :class:`MegatronLayout` over the trainer's DDP chunks and ChainedOptimizer,
   build :class:`Island` and run :meth:`Island.start` (HELLO, INIT when asked, initial cut);
-* ``on_step_end`` → :meth:`Island.step_end` (the step boundary);
+* ``on_step_end`` → :meth:`Island.step_end` (the step boundary); at the last step
+  (``state.iteration`` reaches ``args.train_iters``) also :meth:`Island.finish`, so ms-swift's
+  final save, which follows ``on_step_end`` in the same iteration, writes the merged model;
 * ``on_log`` → remember the last training loss, written to the step log at the next boundary;
-* ``on_train_end`` → :meth:`Island.finish` (final cut), then the optional final digest.
+* ``on_train_end`` → :meth:`Island.finish` (final cut) unless the last step took it, then the
+  optional final digest.
 
 Sync scalars (``diloco/…``, ``diloco/steplog_scalars.py``) go to the job's own writers, found by
 :func:`job_writers`: the ``writer`` of ms-swift's ``tensorboard`` / ``wandb`` callbacks, else
@@ -111,7 +114,11 @@ class YetoIslandHooks:
         """The step boundary, right after ``optimizer.step()`` (collective)."""
         if self.island is None:
             raise RuntimeError("yeto: on_step_end before on_train_begin")
-        self.island.step_end(int(self.trainer.state.iteration), self._last_loss)
+        iteration = int(self.trainer.state.iteration)
+        self.island.step_end(iteration, self._last_loss)
+        last = getattr(self.trainer.args, "train_iters", None)
+        if isinstance(last, int) and last > 0 and iteration >= last:
+            self._finish()  # before ms-swift's final save, so the checkpoint it writes is the merged model
 
     def on_log(self, logs: Mapping[str, Any]) -> None:
         """Remember the last training loss (only ranks of the last PP stage see one)."""
@@ -124,11 +131,18 @@ class YetoIslandHooks:
             self._last_loss = loss
 
     def on_train_end(self) -> None:
-        """Final cut (collective), then the optional digest of the final global parameters."""
+        """The final cut when the last step's ``on_step_end`` has not taken it already (training
+        stopped before ``args.train_iters``, or the job has no such arg)."""
         if self.island is None:
             raise RuntimeError("yeto: on_train_end before on_train_begin")
+        if self.final_versions is None:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Final cut (collective), then the optional digest of the final global parameters."""
         from swift_plugin.digest import fragment_digests, write_digest_file
 
+        assert self.island is not None
         self.final_versions = self.island.finish()
         log.info("yeto: island %d finished at step %d, final versions %s", self.island.cfg.island_id,
                  self.island.step, self.final_versions)

@@ -22,7 +22,7 @@ import torch
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
-from diloco.island.effects import BACKOFF_START_S, Effects
+from diloco.island.effects import BACKOFF_START_S, CHUNK_PARALLEL, Effects
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals, session
 from diloco.wire.schema import ITEMSIZE
@@ -272,7 +272,8 @@ class Inbox:
             raise wire.WireError(f"part {h.part} of version {h.version} out of order")
         if asm.views is not None:
             lo, hi = layout.part_range(h.part, self._part_elems)
-            opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)])  # check_part: same segments
+            opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)],  # check_part: same segments
+                             parallel=CHUNK_PARALLEL)
         asm.next_part += 1
         if asm.next_part < h.n_parts:
             return None

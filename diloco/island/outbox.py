@@ -31,6 +31,7 @@ from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.protocol import session
 from diloco.island.delta_source import DeltaSource, PartRing
+from diloco.island.effects import CHUNK_PARALLEL
 from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class Outbox:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)  # frames never view the ring
             else:
                 segs, buf = _part_of(out.tensors, layout, k, E, self.ring)
-                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed)
+                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed, parallel=CHUNK_PARALLEL)
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             made[0], made[1], made[2] = k, payload, buf
@@ -232,7 +233,7 @@ class Outbox:
             segs = [t for _n, t in layout.slice_part(tensors, k, self._part_elems)]
             flat = segs[0] if len(segs) == 1 else torch.cat(segs)  # one copy only when a part spans tensors
         codes, scales = self._feedback.encode(fragment, flat.float().contiguous(), lo, layout.numel)
-        return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed)
+        return wire.encode_payload([("codes", codes), ("scales", scales)], seed=self._seed, parallel=CHUNK_PARALLEL)
 
     def count_sent(self, data: int, control: int, now: float) -> None:
         """Bytes handed to the socket at ``now``: payload (``data``) and the rest."""

@@ -87,10 +87,14 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, steps: int, log_every: i
             if tb_writer is not None:
                 tb_writer.add_scalar("loss", loss, trainer.state.iteration)
         losses.append(loss)
+    # As ms-swift's loop: the last step's on_step_end took the final cut, so the save that follows
+    # it in the same iteration writes the merged model; on_train_end has nothing left to do.
+    finished_at_last_step = hooks.final_versions is not None
     hooks.on_train_end()
     if tb_writer is not None:
         tb_writer.close()
     return {"rank": rank, "versions": hooks.final_versions, "digests": hooks.final_digests, "losses": losses,
+            "finished_at_last_step": finished_at_last_step,
             "tokens_per_step": hooks.config.tokens_per_step if hooks.config else None,
             "n_fragments": hooks.island.plan.n_fragments}
 

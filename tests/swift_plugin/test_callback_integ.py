@@ -115,6 +115,7 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
     assert len(versions) == 1, versions
     final_versions = list(versions.pop())
     assert all(len(results[i]) == 2 for i in (0, 1))
+    assert all(r["finished_at_last_step"] for i in (0, 1) for r in results[i])  # before the job's final save
     assert {r["n_fragments"] for i in (0, 1) for r in results[i]} == {FRAGMENTS}
     # Tokens per step from the job's args: global batch (micro 2 x DP) x seq 16.
     assert results[0][0]["tokens_per_step"] == 2 * 1 * 16  # TP2: DP1
