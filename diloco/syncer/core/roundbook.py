@@ -122,21 +122,28 @@ class RoundBook:
         training opens every round whose opening step it reached, in order, while the previous
         round of that fragment committed, ``--max-open-rounds`` allows and the sum fits.
 
+        Once every ``ready`` island is done, the clock is the last step all of them reached: the
+        rounds due by then still open as training rounds (an island that reports its last step and
+        its end at once, as one whose last ``on_step_end`` finishes, loses no scheduled round to the
+        flush), and the schedule is over at the first round not due.
+
         Returns the rounds opened, and whether the schedule is over (only flush rounds are left)."""
         members = frozenset(i.island for i in ready)
         sched = Schedule(self.config.sync_every, self.book.n_fragments, self.config.total_steps)
         training = sorted((i.last_step for i in ready if not i.done), reverse=True)
         opened: list[OpenRound] = []
-        if not training:
-            return opened, True
-        clock = training[min(self.config.effective_quorum, len(training)) - 1]
+        all_done = not training
+        if all_done:
+            clock = min((i.last_step for i in ready), default=0)
+        else:
+            clock = training[min(self.config.effective_quorum, len(training)) - 1]
         while True:
             t = self.next_open
             threshold = sched.opening_step(t)
             if not sched.in_training(t):
                 return opened, True  # the schedule is over: only the flush is left
             if clock < threshold:
-                return opened, False
+                return opened, all_done
             fragment = sched.fragment_of(t)
             if self.has_fragment(fragment):
                 return opened, False  # the previous round of this fragment is still uncommitted

@@ -99,6 +99,22 @@ def test_roundbook_opens_by_the_kth_fastest_clock_one_round_per_fragment() -> No
     assert rb.next_commit == 3 and "r" not in rb.status()
 
 
+def test_rounds_due_by_the_last_step_open_as_training_rounds_when_every_island_is_done() -> None:
+    rb = roundbook(total_steps=8)  # H=4, P=2: rounds 1-4 open at steps 2, 4, 6, 8
+    done = [replace(i, done=True) for i in islands_at(8, 8, 8)]  # the last step and the end in one turn
+    opened_, over = rb.open_training(done, now=0.0)
+    assert [(r.round, r.fragment, r.flush) for r in opened_] == [(1, 0, False), (2, 1, False)] and not over
+    assert rb.open_training(done, now=0.0) == ([], False)  # round 3 waits for round 1 (fragment 0)
+    rb.retire(rb.rounds[1])
+    rb.retire(rb.rounds[2])
+    opened_, over = rb.open_training(done, now=0.0)
+    assert [(r.round, r.flush) for r in opened_] == [(3, False), (4, False)] and over  # the flush waits for them
+    early = [replace(i, done=True) for i in islands_at(5, 3, 7)]  # stopped before the end: rounds due by step 3
+    rb = roundbook(total_steps=8)
+    opened_, over = rb.open_training(early, now=0.0)
+    assert [r.round for r in opened_] == [1] and over  # round 2 (step 4) is not due: only the flush is left
+
+
 def test_one_round_gathers_at_a_time_by_default_the_next_opens_once_it_closed() -> None:
     rb = roundbook(max_gathering_rounds=1)
     opened_, _ = rb.open_training(islands_at(9, 4, 0), now=0.0)
