@@ -126,6 +126,12 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
     assert len(changed) >= 3, commits
     assert all(sorted(c["pushed"]) == [0, 1] for c in changed), changed
     assert sum(final_versions) >= len(changed)
+    # Every scheduled round changed the model during training: the islands finish inside their last
+    # on_step_end (reporting the last step and the end at once), and the round due at that step
+    # still opens as a training round, not as a flush.
+    summary = [e["summary"] for line in events.read_text().splitlines() if line.strip()
+               and "summary" in (e := json.loads(line))]
+    assert len(summary) == 1 and summary[0]["changed_in_training"] == summary[0]["scheduled_rounds"], summary
 
     # Only the sync rank (rank 0) holds digests; both islands' digests agree with each other
     # and with the syncer's final checkpoint.
