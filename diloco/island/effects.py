@@ -20,7 +20,8 @@ on the client thread, never on the shared chunk threads of ``diloco.wire.chunks`
 loop, and every future of a chunk takes the GIL several times on two threads: at 2 GiB/s of 16 MiB
 parts a thread of small torch ops ran at 0.67-0.79 of its rate alone with the chunk threads and at
 0.89-0.97 with the work inline, which also reached twice the throughput
-(``scripts/probe_client_gil.py``; docs/PERFORMANCE.md, session 14). xxh3 and numpy's copy release the GIL for each 1 MiB chunk."""
+(``scripts/probe_client_gil.py``; docs/PERFORMANCE.md, session 14). xxh3 and numpy's copy
+release the GIL for each 1 MiB chunk."""
 
 
 class SyncError(RuntimeError):
