@@ -76,7 +76,8 @@ class YetoCallback(MegatronCallback):
         self.hooks.on_train_begin()
 
     def on_step_end(self) -> None:
-        """ms-swift hook: the step boundary (``Island.step_end``)."""
+        """ms-swift hook: the step boundary (``Island.step_end``); at the last step also the final cut,
+        before ms-swift's final save."""
         self.hooks.on_step_end()
 
     def on_log(self, logs: Any) -> None:
@@ -84,7 +85,7 @@ class YetoCallback(MegatronCallback):
         self.hooks.on_log(logs)
 
     def on_train_end(self) -> None:
-        """ms-swift hook: the final cut (``Island.finish``)."""
+        """ms-swift hook: the final cut (``Island.finish``) when training stopped before its last step."""
         self.hooks.on_train_end()
 
 
