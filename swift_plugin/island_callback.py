@@ -71,6 +71,7 @@ class YetoIslandHooks:
         self.final_versions: list[int] | None = None
         self.final_digests: list[str] | None = None
         self._last_loss: float | None = None
+        self._finish_error: Exception | None = None
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self) -> None:
@@ -114,11 +115,23 @@ class YetoIslandHooks:
         """The step boundary, right after ``optimizer.step()`` (collective)."""
         if self.island is None:
             raise RuntimeError("yeto: on_step_end before on_train_begin")
+        if self.final_versions is not None or self._finish_error is not None:
+            log.warning("yeto: on_step_end at iteration %s after the final cut: nothing to do",
+                        self.trainer.state.iteration)
+            return
         iteration = int(self.trainer.state.iteration)
         self.island.step_end(iteration, self._last_loss)
-        last = getattr(self.trainer.args, "train_iters", None)
-        if isinstance(last, int) and last > 0 and iteration >= last:
-            self._finish()  # before ms-swift's final save, so the checkpoint it writes is the merged model
+        last = _train_iters(self.trainer.args)
+        if last > 0 and iteration >= last:
+            # Before ms-swift's final save (it follows on_step_end in the same iteration), so the
+            # checkpoint it writes is the merged model. A final cut that fails lets that save go on
+            # with this island's own model; the error is raised at on_train_end.
+            try:
+                self._finish()
+            except Exception as exc:  # noqa: BLE001 - kept and raised after the job's save
+                log.error("yeto: the final cut failed (%s); the job's final save keeps this island's own model, "
+                          "and the error is raised at the end of training", exc)
+                self._finish_error = exc
 
     def on_log(self, logs: Mapping[str, Any]) -> None:
         """Remember the last training loss (only ranks of the last PP stage see one)."""
@@ -135,6 +148,8 @@ class YetoIslandHooks:
         stopped before ``args.train_iters``, or the job has no such arg)."""
         if self.island is None:
             raise RuntimeError("yeto: on_train_end before on_train_begin")
+        if self._finish_error is not None:
+            raise self._finish_error
         if self.final_versions is None:
             self._finish()
 
@@ -154,6 +169,16 @@ class YetoIslandHooks:
         self.final_digests = fragment_digests(self.island)
         if self.final_digests is not None:
             write_digest_file(path, self.config.island_id, self.final_versions, self.final_digests)
+
+
+def _train_iters(args: Any) -> int:
+    """The job's last iteration (``args.train_iters``, any integral number), 0 when unknown."""
+    value = getattr(args, "train_iters", None)
+    try:
+        last = int(value) if value is not None and not isinstance(value, bool) else 0
+    except (TypeError, ValueError):
+        return 0
+    return last if last == value else 0  # 48.0 or numpy's 48, never a fraction
 
 
 def job_writers(trainer: Any) -> list[object]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +45,76 @@ def test_hooks_refuse_to_run_out_of_order() -> None:
         hooks.on_step_end()
     with pytest.raises(RuntimeError, match="before on_train_begin"):
         hooks.on_train_end()
+
+
+class _Island:
+    """The island's side of the hooks: records the calls; ``fail`` makes ``finish`` raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+        self.step = 0
+        self.cfg = SimpleNamespace(island_id=0)
+
+    def step_end(self, step: int, loss: float | None) -> None:
+        self.calls.append(f"step {step}")
+        self.step = step
+
+    def finish(self) -> list[int]:
+        self.calls.append("finish")
+        if self.fail:
+            raise RuntimeError("no final cut")
+        return [1, 1]
+
+
+def _hooks_with(island: _Island, train_iters: object) -> YetoIslandHooks:
+    trainer = _trainer()
+    trainer.args.train_iters = train_iters
+    hooks = YetoIslandHooks(trainer, env={})
+    hooks.island, hooks.config = island, SimpleNamespace(island_id=0)
+    return hooks
+
+
+def _train(hooks: YetoIslandHooks, steps: int, saved: list[list[str]]) -> None:
+    """ms-swift's loop: on_step_end, then (at the last step) the final save, then on_train_end."""
+    for _ in range(steps):
+        hooks.trainer.state.iteration += 1
+        hooks.on_step_end()
+    saved.append(list(hooks.island.calls))  # what the job's final save sees
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("train_iters", [2, 2.0, np.int64(2)])
+def test_final_cut_is_taken_at_the_last_step_before_the_save(train_iters: object) -> None:
+    island, saved = _Island(), []
+    hooks = _hooks_with(island, train_iters)
+    _train(hooks, 2, saved)
+    assert saved == [["step 1", "step 2", "finish"]] and hooks.final_versions == [1, 1]
+    hooks.on_train_end()
+    hooks.on_step_end()  # a stray call after the final cut does nothing
+    assert island.calls == ["step 1", "step 2", "finish"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("train_iters", [None, 2.5, "2", 0])
+def test_without_a_known_last_step_the_final_cut_waits_for_train_end(train_iters: object) -> None:
+    island, saved = _Island(), []
+    hooks = _hooks_with(island, train_iters)
+    _train(hooks, 2, saved)
+    assert saved == [["step 1", "step 2"]]
+    hooks.on_train_end()
+    assert island.calls[-1] == "finish" and hooks.final_versions == [1, 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_final_cut_lets_the_save_go_on_and_is_raised_at_train_end() -> None:
+    island, saved = _Island(fail=True), []
+    hooks = _hooks_with(island, 2)
+    _train(hooks, 2, saved)  # the save happens
+    assert saved == [["step 1", "step 2", "finish"]]
+    with pytest.raises(RuntimeError, match="no final cut"):
+        hooks.on_train_end()
+    assert island.calls.count("finish") == 1
 
 
 @pytest.mark.timeout(30)
