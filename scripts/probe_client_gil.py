@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from diloco import wire  # noqa: E402
+from probe_init import Trainer  # noqa: E402  # the thread of small torch ops
 
 PART_ELEMS = 4 << 20  # 16 MiB of fp32
-
-
-def small_ops_rate(x: torch.Tensor, seconds: float, stop: threading.Event | None = None) -> float:
-    """Small in-place torch ops per second for ``seconds`` (or until ``stop``)."""
-    n, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < seconds and not (stop is not None and stop.is_set()):
-        for _ in range(100):
-            x.add_(1.0)
-        n += 100
-    return n / (time.monotonic() - t0)
 
 
 def run(mode: str, gibps: float, seconds: float) -> dict:
@@ -59,12 +52,12 @@ def run(mode: str, gibps: float, seconds: float) -> dict:
                 if wait > 0:
                     time.sleep(wait)
 
-    x = torch.zeros(256)
-    alone = small_ops_rate(x, seconds / 2)
+    trainer = Trainer()
+    alone = trainer.rate_alone(seconds / 2)
     t_start[0] = time.monotonic()
     thread = threading.Thread(target=client, name="probe-client")
     thread.start()
-    beside = small_ops_rate(x, seconds)
+    beside = trainer.rate_alone(seconds)  # on this thread, beside the client
     stop.set()
     thread.join()
     elapsed = time.monotonic() - t_start[0]
@@ -75,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gibps", type=float, default=2.0, help="the client's pace in GiB/s, sent + received (0: flat out)")
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each mode; the JSON gives their medians")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -85,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:8s} training thread at {row['train_rate_ratio']:.3f} of its rate alone, "
                   f"client {row['client_gibps']:.2f} GiB/s")
             rows.append(row)
-    best = {m: max(r["train_rate_ratio"] for r in rows if r["mode"] == m) for m in ("parallel", "inline")}
-    print(json.dumps({"gibps": a.gibps, "train_rate_ratio_parallel": best["parallel"],
-                      "train_rate_ratio_inline": best["inline"]}))
+    mid = {m: statistics.median(r["train_rate_ratio"] for r in rows if r["mode"] == m) for m in ("parallel", "inline")}
+    print(json.dumps({"gibps": a.gibps, "train_rate_ratio_parallel": mid["parallel"],
+                      "train_rate_ratio_inline": mid["inline"]}))
     return 0
 
 

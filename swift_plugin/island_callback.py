@@ -72,6 +72,7 @@ class YetoIslandHooks:
         self.final_digests: list[str] | None = None
         self._last_loss: float | None = None
         self._finish_error: Exception | None = None
+        self._last_iteration: int | None = None
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self) -> None:
@@ -121,8 +122,9 @@ class YetoIslandHooks:
             return
         iteration = int(self.trainer.state.iteration)
         self.island.step_end(iteration, self._last_loss)
-        last = _train_iters(self.trainer.args)
-        if last > 0 and iteration >= last:
+        if self._last_iteration is None:
+            self._last_iteration = _train_iters(self.trainer.args)  # fixed before training starts
+        if self._last_iteration > 0 and iteration >= self._last_iteration:
             # Before ms-swift's final save (it follows on_step_end in the same iteration), so the
             # checkpoint it writes is the merged model. A final cut that fails lets that save go on
             # with this island's own model; the error is raised at on_train_end.
