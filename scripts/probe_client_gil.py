@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:8s} training thread at {row['train_rate_ratio']:.3f} of its rate alone, "
                   f"client {row['client_gibps']:.2f} GiB/s")
             rows.append(row)
-    mid = {m: statistics.median(r["train_rate_ratio"] for r in rows if r["mode"] == m) for m in ("parallel", "inline")}
+    mid = {m: round(statistics.median(r["train_rate_ratio"] for r in rows if r["mode"] == m), 3)
+           for m in ("parallel", "inline")}
     print(json.dumps({"gibps": a.gibps, "train_rate_ratio_parallel": mid["parallel"],
                       "train_rate_ratio_inline": mid["inline"]}))
     return 0
