@@ -32,14 +32,14 @@ for job in "$@"; do
     gputest) install; (cd "$REPO" && python3 -m pytest -q -m gpu -p no:cacheprovider tests/diloco/island/test_slots.py \
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
-    init) install
+    init) install; lines=4; [ -n "${TRACE:-}" ] && lines=26  # TRACE=1: per-part timelines (scripts/trace_init.py)
        for v in ${INIT_VARIANTS:-16:4:0:1 16:4:0:0}; do  # part MiB : data threads : client window (0: the code's) : INIT lanes
          IFS=: read -r mib threads window lanes <<<"$v"
          PYTHONPATH=$REPO timeout 300 python3 \
            "$REPO/scripts/probe_init.py" --gib 2.5 --window "$window" \
            --syncer-args "--part-mib $mib --data-threads $threads --init-lanes ${lanes:-1}" \
-           ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} 2>&1 \
-           | tail -4 | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
+           ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} ${TRACE:+--trace "$WORKDIR/trace_${v//:/_}"} 2>&1 \
+           | tail -"$lines" | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
        done ;;
     zmqinit) install  # INIT's framing over bare zmq: the transport alone, then a syncer-like consumer

@@ -107,6 +107,9 @@ def main() -> int:
                          "during INIT over their rate alone (train_rate_ratio) is what streaming costs training")
     ap.add_argument("--no-claims", action="store_true",
                     help="claim nothing in HELLO: the syncer sends the cut back while INIT streams")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="record per-part timelines of the client and the syncer into this folder and "
+                         "print where the parts' time went (scripts/trace_init.py)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -124,7 +127,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="probe_init_"))
     key = b"probe-init-key"
     env = dict(os.environ, PYTHONPATH=str(REPO), YETO_SYNC_KEY=key.decode())
-    cmd = [sys.executable, "-m", "diloco.syncer", "--bind", "tcp://127.0.0.1:0", "--islands", "1",
+    save_trace = None
+    if a.trace is not None:
+        import trace_init
+        a.trace.mkdir(parents=True, exist_ok=True)
+        save_trace = trace_init.trace_island()
+        launch = [sys.executable, str(REPO / "scripts" / "trace_init.py"), "syncer", str(a.trace / "syncer.json"), "--"]
+    else:
+        launch = [sys.executable, "-m", "diloco.syncer"]
+    cmd = [*launch, "--bind", "tcp://127.0.0.1:0", "--islands", "1",
            "--sync-every", "1", "--total-steps", "1", "--checkpoint-every", "0", "--join-timeout-s", "0",
            "--dead-after-s", "600", "--final-timeout-s", "60", *a.syncer_args.split()]
     with open(tmp / "syncer.log", "w") as log_f:
@@ -187,10 +198,17 @@ def main() -> int:
                   f"({during / alone:.3f})")
         for spy in spies:
             spy.wait(timeout=60)
+        traced: dict[str, int] = {}
+        if save_trace is not None:
+            save_trace(a.trace / "island.json")
+            time.sleep(1.2)  # the syncer's next dump
+            print(trace_init.report(a.trace))
+            traced = trace_init.counts(a.trace)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
                           "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
                           "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments,
-                          **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {})}))
+                          **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {}),
+                          **({"traced": traced} if traced else {})}))
         return 0
     finally:
         if client is not None:

@@ -45,10 +45,10 @@ def test_bench_scale_smoke() -> None:
         assert math.isfinite(figures[key]) and figures[key] > 0, key
 
 
-def _probe_json(script: str) -> dict:
-    """Run ``scripts/SCRIPT --smoke`` in its own process group (killed whole on timeout: the
+def _probe_json(script: str, *extra: str) -> dict:
+    """Run ``scripts/SCRIPT --smoke [extra]`` in its own process group (killed whole on timeout: the
     probes start a syncer or a sender); its last line, parsed."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / script), "--smoke"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / script), "--smoke", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=280)
@@ -60,12 +60,15 @@ def _probe_json(script: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_probe_init_smoke() -> None:
+def test_probe_init_smoke(tmp_path: Path) -> None:
     """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
-    into a real syncer, which verifies and holds each one."""
-    figures = _probe_json("probe_init.py")
+    into a real syncer, which verifies and holds each one; with ``--trace`` both sides' timelines
+    (scripts/trace_init.py) saw every part."""
+    figures = _probe_json("probe_init.py", "--trace", str(tmp_path / "trace"))
     assert figures["initialised"] == figures["fragments"] == 2
     assert math.isfinite(figures["init_gbps"]) and figures["init_gbps"] > 0
+    parts = figures["traced"]
+    assert parts["island_parts"] == parts["syncer_parts"] > 0
 
 
 def test_probe_zmq_init_smoke() -> None:
