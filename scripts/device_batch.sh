@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | fault | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (DIGEST=0 in the environment: island jobs skip the end-to-end digest files, for whole-run timing)
 # (an island job may carry a tag: 2.7b_a, 2.7b-np_a, ... each keep their results apart; a tag holding
 # "one", 2.7b_one / 2.7b-np_one, runs one island instead of two)
@@ -33,15 +33,17 @@ for job in "$@"; do
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
     init) install; lines=4; [ -n "${TRACE:-}" ] && lines=26  # TRACE=1: per-part timelines (scripts/trace_init.py)
-       for v in ${INIT_VARIANTS:-16:4:0:1 16:4:0:0}; do  # part MiB : data threads : client window (0: the code's) : INIT lanes
-         IFS=: read -r mib threads window lanes <<<"$v"
-         PYTHONPATH=$REPO timeout 300 python3 \
+       # part MiB : data threads : client window (0: the code's) : INIT lanes [: TRACE_VARIANT, with TRACE=1]
+       for v in ${INIT_VARIANTS:-16:4:0:1 16:4:0:0}; do
+         IFS=: read -r mib threads window lanes tvariant <<<"$v"
+         TRACE_VARIANT=${tvariant:-} PYTHONPATH=$REPO timeout 300 python3 \
            "$REPO/scripts/probe_init.py" --gib 2.5 --window "$window" \
            --syncer-args "--part-mib $mib --data-threads $threads --init-lanes ${lanes:-1}" \
            ${SPY:+--spy "$WORKDIR/spy_${v//:/_}"} ${TRACE:+--trace "$WORKDIR/trace_${v//:/_}"} 2>&1 \
            | tail -"$lines" | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
        done ;;
+    fault) install; python3 "$REPO/scripts/probe_fault.py" --gib 4 2>&1 | tail -12 ;;
     zmqinit) install  # INIT's framing over bare zmq: the transport alone, then a syncer-like consumer
        IFS=, read -ra variants <<<"${ZMQ_INIT_VARIANTS:---workers 0,--workers 4,--workers 4 --touched,--workers 4 --rcvhwm 16,--workers 4 --window 8}"
        for v in "${variants[@]}"; do  # comma-separated variants, each a list of probe flags

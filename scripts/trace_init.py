@@ -15,6 +15,7 @@ The report says where a part's time went, stage by stage, so the pipeline's slow
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import threading
@@ -42,6 +43,7 @@ def trace_syncer(out: Path, argv: list[str]) -> int:
     from diloco.syncer.core.work import InitPart
     import zmq
 
+    _variants(os.environ.get("TRACE_VARIANT", ""))
     ev: dict[str, list] = {"open": [], "submit": [], "run": [], "poll": []}
     main_ident = threading.get_ident()
     open_message = loop.open_message
@@ -90,6 +92,56 @@ def trace_syncer(out: Path, argv: list[str]) -> int:
             tmp.replace(out)
     threading.Thread(target=dump, daemon=True, name="trace-dump").start()
     return cli.main(argv)
+
+
+def _variants(names: str) -> None:
+    """Experiments on the syncer's INIT path, by name (comma-separated; ``TRACE_VARIANT``):
+    ``huge``: fresh values get ``madvise(MADV_HUGEPAGE)``; ``populate``: each INIT part's range is
+    ``madvise(MADV_POPULATE_WRITE)`` before its copy; ``unfused``: the value's bound in a second
+    pass over the part after the copy (the code before the per-chunk bound)."""
+    import ctypes
+    import math
+
+    from diloco.syncer import dataplane
+    from diloco.syncer.core import book
+    from diloco.syncer.core.kernels import BLOCK, magnitude_bound
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = 4096
+
+    def advise(ptr: int, nbytes: int, advice: int) -> None:
+        first, last = -(-ptr // page) * page, (ptr + nbytes) // page * page
+        if last > first and libc.madvise(first, last - first, advice) != 0:
+            print(f"madvise({advice}) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+    for name in filter(None, names.split(",")):
+        if name == "huge":
+            fresh = book.FragmentBook.fresh
+
+            def huge_fresh(self: Any, numel: int, what: str = "") -> Any:
+                t = fresh(self, numel, what)
+                advise(t.data_ptr(), numel * 4, 14)
+                return t
+            book.FragmentBook.fresh = huge_fresh  # type: ignore[method-assign]
+        elif name == "populate":
+            init_part = dataplane.init_part
+
+            def populated(w: Any) -> float:
+                hi = w.lo + sum(math.prod(m.shape) for m in w.opened.metas)
+                advise(w.value.data_ptr() + 4 * w.lo, 4 * (hi - w.lo), 23)
+                return init_part(w)
+            dataplane.init_part = populated
+        elif name == "unfused":
+            def two_pass(w: Any) -> float:
+                starts = dataplane._segment_starts(w.opened, w.lo)
+                dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
+                w.opened.copy_into(dests, parallel=False)
+                hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
+                return max((magnitude_bound(w.value[a : min(hi, a + BLOCK)]) for a in range(w.lo, hi, BLOCK)),
+                           default=0.0)
+            dataplane.init_part = two_pass
+        else:
+            raise SystemExit(f"TRACE_VARIANT: unknown {name!r}")
+    print(f"trace variants: {names or '(none)'}", file=sys.stderr)
 
 
 def trace_island() -> Callable[[Path], None]:

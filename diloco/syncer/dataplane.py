@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 import xxhash
 
@@ -158,15 +159,19 @@ def _segment_starts(opened: Opened, lo: int) -> list[int]:
 
 def init_part(w: InitPart) -> float:
     """Copy a verified INIT part into the value; returns a bound of its ``max |value|``
-    (``kernels.magnitude_bound``: ``inf`` when it holds NaN or Inf)."""
+    (``kernels.magnitude_bound`` of each wire chunk, taken as the chunk is copied, while it is in
+    cache: no second pass over the part; ``inf`` when it holds NaN or Inf)."""
     starts = _segment_starts(w.opened, w.lo)
     dests = [w.value[s : s + math.prod(m.shape)] for s, m in zip(starts, w.opened.metas)]
-    w.opened.copy_into(dests, parallel=False)
-    hi = starts[-1] + math.prod(w.opened.metas[-1].shape) if starts else w.lo
-    vmax = max((magnitude_bound(w.value[a : min(hi, a + BLOCK)]) for a in range(w.lo, hi, BLOCK)), default=0.0)
+    vmax = w.opened.copy_into(dests, parallel=False, inspect=_chunk_bound)
     if vmax == math.inf:
         raise WireError(f"INIT part {w.part} holds NaN or Inf")
     return vmax
+
+
+def _chunk_bound(dest: np.ndarray) -> float:
+    """``kernels.magnitude_bound`` of one copied chunk of an fp32 value (its bytes, or its fp32 bits)."""
+    return magnitude_bound(torch.from_numpy(dest.view(np.float32)))
 
 
 def commit_part(w: CommitPart, scratch: Scratch) -> list[tuple[dict[str, Payload], tuple[float, float]]]:

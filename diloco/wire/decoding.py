@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import math
 import warnings
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -207,11 +207,17 @@ class Opened:
             out.append((i, offset // itemsize, view))
         return out
 
-    def copy_into(self, dests: Sequence[torch.Tensor], parallel: bool = True) -> None:
+    def copy_into(self, dests: Sequence[torch.Tensor], parallel: bool = True,
+                  inspect: Callable[[np.ndarray], float] | None = None) -> float:
         """Verify and copy every tensor into ``dests`` (contiguous CPU tensors of the declared
         element count, one per tensor): the one copy decoding makes. A destination has the
         declared dtype, or float32 for a bfloat16 tensor: each chunk is then upcast as it is
-        copied (exact), so a bf16 value lands in fp32 memory without a bf16 copy of it."""
+        copied (exact), so a bf16 value lands in fp32 memory without a bf16 copy of it.
+
+        ``inspect``, when given, is called on each chunk's destination right after its copy (a
+        uint8 array of its bytes, or for an upcast chunk the uint32 bits of its fp32 elements),
+        while the chunk is still in cache; returns the largest figure it gave (0.0 without it, or
+        without chunks)."""
         if len(dests) != len(self.metas):
             raise ValueError(f"copy_into: {len(dests)} destinations for {len(self.metas)} tensors")
         flat: list[np.ndarray] = []
@@ -229,10 +235,14 @@ class Opened:
                 for i, _c, offset, chunk, digest in self._jobs()]
         # Every job runs to completion before we report the first bad chunk, so no
         # worker is still writing into a tensor the caller might see.
-        verdicts = map_chunks(check_and_copy, jobs, parallel)
-        for ok, (i, c, _o, _ch, _d) in zip(verdicts, self._jobs()):
-            if not ok:
+        if inspect is None:
+            verdicts: list[float | None] = [0.0 if ok else None for ok in map_chunks(check_and_copy, jobs, parallel)]
+        else:
+            verdicts = map_chunks(lambda job: inspect(job[2]) if check_and_copy(job) else None, jobs, parallel)
+        for got, (i, c, _o, _ch, _d) in zip(verdicts, self._jobs()):
+            if got is None:
                 raise WireError(f"chunk {c} of {self.metas[i].name[:80]!r} fails its digest (corrupted or tampered)")
+        return max((v for v in verdicts if v is not None), default=0.0)
 
     def tensors(self, pool: HostBufferPool | None = None) -> list[tuple[str, torch.Tensor]]:
         """Allocate (from ``pool``), verify and copy every tensor: the classic decode result."""

@@ -76,3 +76,10 @@ def test_probe_zmq_init_smoke() -> None:
     figures = _probe_json("probe_zmq_init.py")
     assert figures["bytes_ok"] is True and figures["workers"] == 4
     assert math.isfinite(figures["gbps"]) and figures["gbps"] > 0
+
+
+def test_probe_fault_smoke() -> None:
+    """scripts/probe_fault.py (fresh-memory write rates, a device probe) measures every case it can."""
+    figures = _probe_json("probe_fault.py")
+    assert {"plain_x1", "plain_x2"} <= set(figures)
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())

@@ -401,3 +401,29 @@ def test_copy_into_upcasts_bf16_into_fp32_exactly() -> None:
         odd.copy_into([untouched])
     assert bool((untouched == 7.0).all())
     assert torch.equal(odd.tensors()[0][1].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+def test_copy_into_inspects_every_copied_chunk_and_refuses_a_bad_one() -> None:
+    """``inspect`` sees each chunk's destination right after its copy (upcast chunks as fp32 bits),
+    and copy_into returns the largest figure; a chunk failing its digest raises instead."""
+    x = torch.arange(3000, dtype=torch.float32) - 1500.0
+    y = torch.arange(10, dtype=torch.float32)
+    frames = wire.encode(wire.Pull(0, 1, 0), [("x", x), ("y", y)], chunk_bytes=1000)
+    seen: list[int] = []
+
+    def amax(dest: np.ndarray) -> float:
+        seen.append(dest.nbytes)
+        return float(np.abs(dest.view(np.float32)).max())
+
+    dx, dy = torch.empty(3000), torch.empty(10)
+    assert wire.open_message(frames).copy_into([dx, dy], inspect=amax) == 1500.0
+    assert torch.equal(dx, x) and torch.equal(dy, y) and sum(seen) == 3010 * 4 and len(seen) == 12 + 1
+    bf = wire.open_message(wire.encode(wire.Pull(0, 1, 0), [("x", x)], wire_dtype="bfloat16", chunk_bytes=1000))
+    assert bf.copy_into([torch.empty(3000)], inspect=amax) == float(x.bfloat16().abs().max())
+    assert wire.open_message(frames).copy_into([dx, dy]) == 0.0
+    tampered = list(frames)
+    body = bytearray(tampered[-2])
+    body[0] ^= 1
+    tampered[-2] = bytes(body)
+    with pytest.raises(wire.WireError, match="fails its digest"):
+        wire.open_message(tampered).copy_into([dx, dy], inspect=amax)
