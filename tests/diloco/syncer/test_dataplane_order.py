@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diloco.syncer import dataplane
-from diloco.syncer.core.work import CommitPart, FoldPart, Result, RoundSum, Work
+from diloco.syncer.core.work import CommitPart, FoldPart, InitPart, Result, RoundSum, Work
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,6 +31,11 @@ def _commit(part: int) -> CommitPart:
     return CommitPart(round=1, fragment=0, part=part, value=torch.zeros(4), momentum=None,
                       new_momentum=None, sum=s, total_weight=1, hyper=None, layout=None, part_elems=4,  # type: ignore[arg-type]
                       encode_dtypes=(), version=1)
+
+
+def _init(part: int) -> InitPart:
+    return InitPart(fragment=0, part=part, lo=0, opened=types.SimpleNamespace(nbytes=16, release=lambda: None),  # type: ignore[arg-type]
+                    value=torch.zeros(4))
 
 
 @pytest.fixture
@@ -122,3 +127,18 @@ def test_a_fold_waits_at_most_the_yield_bound(recorded, monkeypatch: pytest.Monk
     release["fold0"].set()
     release["commit"].set()
     assert sorted(_names(results, 2)) == ["CommitPart0", "FoldPart0"]
+
+
+def test_init_parts_go_to_idle_workers_not_behind_their_lane(recorded) -> None:
+    """INIT parts 2 and 4 share worker 0's lane, where a fold of part 0 is stuck: each runs at once
+    on worker 1, the idler one."""
+    plane, events, release, results = recorded
+    plane.submit(_fold(0))
+    _started(events, "fold0")
+    for part in (2, 4):
+        plane.submit(_init(part))
+        assert _names(results, 1) == [f"InitPart{part}"]  # the fold still holds worker 0
+    assert ("end", "fold0") not in events
+    release["fold0"].set()
+    assert _names(results, 1) == ["FoldPart0"]
+    assert plane.backlog_bytes == 0
