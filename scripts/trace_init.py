@@ -96,7 +96,7 @@ def trace_syncer(out: Path, argv: list[str]) -> int:
 
 def _variants(names: str) -> None:
     """Experiments on the syncer's INIT path, by name (comma-separated; ``TRACE_VARIANT``):
-    ``populate``: each INIT part's range is
+    ``nohuge``: fresh values stay off huge pages (as ``--no-huge-pages``); ``populate``: each INIT part's range is
     ``madvise(MADV_POPULATE_WRITE)`` before its copy; ``unfused``: the value's bound in a second
     pass over the part after the copy (the code before the per-chunk bound)."""
     import ctypes
@@ -121,6 +121,9 @@ def _variants(names: str) -> None:
                 advise(w.value.data_ptr() + 4 * w.lo, 4 * (hi - w.lo), 23)
                 return init_part(w)
             dataplane.init_part = populated
+        elif name == "nohuge":
+            from diloco.syncer.core import book
+            book.advise_huge = lambda a: 0  # type: ignore[assignment]
         elif name == "unfused":
             def two_pass(w: Any) -> float:
                 starts = dataplane._segment_starts(w.opened, w.lo)
