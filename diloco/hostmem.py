@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -121,27 +120,7 @@ def trim_heap() -> bool:
 
 
 MADV_DONTNEED = 4
-MADV_HUGEPAGE = 14
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-HUGE_PAGE_BYTES = 2 << 20
-
-
-def advise_huge(a: np.ndarray) -> int:
-    """Ask the kernel for transparent huge pages under the 2 MiB-aligned pages of a fresh buffer
-    (``madvise(MADV_HUGEPAGE)``) before anything is written: its first writes then fault 2 MiB at a
-    time instead of 4 KiB. Returns the bytes advised (0 where the kernel cannot: no THP, not
-    Linux, or smaller than one huge page); the buffer's contents and size are unchanged either way.
-    The pages stay ordinary memory: ``release_pages`` still gives any range back. With THP
-    ``defrag`` set to ``always`` a fault may wait for the kernel to compact memory (the syncer's
-    ``--no-huge-pages`` skips this; docs/PERFORMANCE.md has the figures)."""
-    start = -(-a.ctypes.data // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (a.ctypes.data + a.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        return 0
-    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
-    if madvise is None or madvise(start, end - start, MADV_HUGEPAGE) != 0:
-        return 0
-    return end - start
 
 
 def sole_owner(t: torch.Tensor) -> bool | None:

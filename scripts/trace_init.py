@@ -96,13 +96,14 @@ def trace_syncer(out: Path, argv: list[str]) -> int:
 
 def _variants(names: str) -> None:
     """Experiments on the syncer's INIT path, by name (comma-separated; ``TRACE_VARIANT``):
-    ``nohuge``: fresh values stay off huge pages (as ``--no-huge-pages``); ``populate``: each INIT part's range is
+    ``huge``: fresh values get ``madvise(MADV_HUGEPAGE)``; ``populate``: each INIT part's range is
     ``madvise(MADV_POPULATE_WRITE)`` before its copy; ``unfused``: the value's bound in a second
     pass over the part after the copy (the code before the per-chunk bound)."""
     import ctypes
     import math
 
     from diloco.syncer import dataplane
+    from diloco.syncer.core import book
     from diloco.syncer.core.kernels import BLOCK, magnitude_bound
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -113,7 +114,15 @@ def _variants(names: str) -> None:
         if last > first and libc.madvise(first, last - first, advice) != 0:
             print(f"madvise({advice}) failed: errno {ctypes.get_errno()}", file=sys.stderr)
     for name in filter(None, names.split(",")):
-        if name == "populate":
+        if name == "huge":
+            fresh = book.FragmentBook.fresh
+
+            def huge_fresh(self: Any, numel: int, what: str = "") -> Any:
+                t = fresh(self, numel, what)
+                advise(t.data_ptr(), numel * 4, 14)
+                return t
+            book.FragmentBook.fresh = huge_fresh  # type: ignore[method-assign]
+        elif name == "populate":
             init_part = dataplane.init_part
 
             def populated(w: Any) -> float:
@@ -121,9 +130,6 @@ def _variants(names: str) -> None:
                 advise(w.value.data_ptr() + 4 * w.lo, 4 * (hi - w.lo), 23)
                 return init_part(w)
             dataplane.init_part = populated
-        elif name == "nohuge":
-            from diloco.syncer.core import book
-            book.advise_huge = lambda a: 0  # type: ignore[assignment]
         elif name == "unfused":
             def two_pass(w: Any) -> float:
                 starts = dataplane._segment_starts(w.opened, w.lo)

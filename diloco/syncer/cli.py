@@ -111,9 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-lanes", type=int, default=1,
                    help="second connections island 0 may open for INIT beside its first (0 or 1): one TCP "
                         "stream carries about 5 GB/s on loopback, two about 8")
-    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
-                   help="keep fresh fragment values and sums off transparent huge pages (by default they ask "
-                        "for them: first writes fault 2 MiB at a time; INIT copies ran 23%% faster)")
     p.add_argument("--stream-window", type=int, default=2,
                    help="parts of one fragment stream zmq may hold per island (a heartbeat waits behind at most these)")
     p.add_argument("--data-threads", type=int, default=default_threads(),
@@ -230,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
             max_open_rounds=args.max_open_rounds,
             max_gathering_rounds=args.max_gathering_rounds,
             init_lanes=args.init_lanes,
-            huge_pages=args.huge_pages,
             island_keys=_island_keys(args),
             max_tokens_per_step=args.max_tokens_per_step,
             weight_factor=args.max_weight_factor,

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
-
-from diloco import hostmem
 
 from diloco.hostmem import _FAULT_SLICE_ELEMS, sub_in_parallel, zero_in_parallel
 
@@ -36,18 +31,3 @@ def test_zero_in_parallel_zeroes_every_slice() -> None:
     ts = [torch.full((_FAULT_SLICE_ELEMS + 7,), 3.0), torch.full((11,), -1.0)]
     zero_in_parallel(ts)
     assert all(int(t.count_nonzero()) == 0 for t in ts)
-
-
-def test_advise_huge_covers_the_aligned_huge_pages_and_keeps_the_contents() -> None:
-    """``advise_huge`` advises whole 2 MiB pages inside the buffer (none for one smaller than a huge
-    page) and changes nothing in it; where the kernel offers THP at all, it advises something."""
-    small = np.arange(1 << 17, dtype=np.float32)  # 512 KiB
-    assert hostmem.advise_huge(small) == 0 and small[-1] == (1 << 17) - 1
-    big = np.empty(7 << 20, dtype=np.uint8)
-    advised = hostmem.advise_huge(big)
-    assert advised % hostmem.HUGE_PAGE_BYTES == 0 and advised <= big.nbytes
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():
-        assert advised >= 2 * hostmem.HUGE_PAGE_BYTES  # 7 MiB holds at least two aligned huge pages
-    big[:] = 7
-    assert int(big.min()) == int(big.max()) == 7

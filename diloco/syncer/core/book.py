@@ -29,7 +29,6 @@ import weakref
 import numpy as np
 import torch
 
-from diloco.hostmem import advise_huge
 from diloco.syncer.core.checks import Refused
 from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.core.records import FragmentRecord
@@ -171,12 +170,8 @@ class FragmentBook:
 
     def fresh(self, numel: int, what: str = "") -> torch.Tensor:
         """An uninitialised flat fp32 buffer of ``numel`` elements (a value or a sum), never pooled:
-        its own mapping, given back to the OS when its last tensor dies (counted in ``live_bytes``);
-        on huge pages where the kernel allows (``hostmem.advise_huge``; ``--no-huge-pages``: never)."""
-        base = np.empty(numel, dtype=np.float32)
-        if self.config.huge_pages:
-            advise_huge(base)
-        return self._track(base)
+        its own mapping, given back to the OS when its last tensor dies (counted in ``live_bytes``)."""
+        return self._track(np.empty(numel, dtype=np.float32))
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """Count a flat fp32 buffer allocated elsewhere (a resumed checkpoint's) until ``t`` dies."""

@@ -99,8 +99,6 @@ class SyncerConfig:
     max_gathering_rounds: int = 1
     init_lanes: int = 1
     """Second connections island 0 may open for INIT (``--init-lanes``, 0 or 1; WELCOME says it)."""
-    huge_pages: bool = True
-    """Fresh values and sums on transparent huge pages where the kernel allows (``--no-huge-pages``)."""
     flush_merge: str = "mean"
     island_keys: tuple[tuple[int, str], ...] = ()
     """Curve mode: fixed ``(island id, Z85 public key)`` bindings (``--island-keys``); empty: first use."""
