@@ -19,8 +19,10 @@ FIFO.  So the folds of one part run in the order the loop dispatched them (the
 fold order the event log records, which the numpy reference replays).  An INIT part needs no
 order (each writes its own range of a value no other work reads until the fragment is
 initialised; a restarted stream writes a fresh value), so it goes to the worker with the least
-work queued: parts of two INIT streams that share a lane would otherwise queue behind each other
-while other workers idle, and the backlog cap would stop the loop reading meanwhile.  Commits run on
+work queued, data and commit workers alike (no commit runs before the fragments hold values, so
+the commit workers are idle during INIT): parts of two INIT streams that share a lane would
+otherwise queue behind each other while other workers idle, and the backlog cap would stop the
+loop reading meanwhile.  Commits run on
 a second set of ``threads`` workers (commit span ``j`` on commit worker ``j mod
 threads``): the state starts a commit only once every fold of its round has returned
 (``PushRecord.complete``), so a commit needs no ordering against folds, and folds of
@@ -250,8 +252,9 @@ class DataPlane:
         self._queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
         self._commit_queues: list[queue.SimpleQueue[Work | None]] = [queue.SimpleQueue() for _ in range(threads)]
         self._pending = 0
-        self._queued = [0] * threads
-        """Work items on each data worker's queue or running there (INIT goes to the least)."""
+        self._queued = [0] * (2 * threads)
+        """Work items queued or running on each worker: data workers ``[0, threads)``, then commit
+        workers (INIT goes to the least)."""
         self._pending_bytes = 0
         self._commits = 0
         """Commit parts submitted and not yet run to the end (folds yield to them)."""
@@ -265,7 +268,7 @@ class DataPlane:
             threading.Thread(target=self._run, args=(q, i), name=f"yeto-data-{i}", daemon=True)
             for i, q in enumerate(self._queues)
         ] + [
-            threading.Thread(target=self._run, args=(q, -1), name=f"yeto-commit-{i}", daemon=True)
+            threading.Thread(target=self._run, args=(q, threads + i), name=f"yeto-commit-{i}", daemon=True)
             for i, q in enumerate(self._commit_queues)
         ]
         for t in self._workers:
@@ -282,13 +285,12 @@ class DataPlane:
             self._pending += 1
             self._pending_bytes += _received_bytes(work)
             self._commits += commit
-            if commit:
-                worker = lane(work) % self.threads
+            if isinstance(work, InitPart):
+                worker = self._queued.index(min(self._queued))
             else:
-                worker = (self._queued.index(min(self._queued)) if isinstance(work, InitPart)
-                          else lane(work) % self.threads)
-                self._queued[worker] += 1
-        (self._commit_queues if commit else self._queues)[worker].put(work)
+                worker = lane(work) % self.threads + (self.threads if commit else 0)
+            self._queued[worker] += 1
+        (self._queues + self._commit_queues)[worker].put(work)
 
     def close(self) -> None:
         with self._fold_turn:
@@ -300,7 +302,7 @@ class DataPlane:
             t.join(timeout=10)
 
     def _run(self, q: queue.SimpleQueue[Work | None], index: int) -> None:
-        """Worker loop over ``q``: data worker ``index``, or a commit worker (``index`` -1)."""
+        """Worker loop over ``q``, the queue of worker ``index`` (data workers first, then commit workers)."""
         _yield_to_the_loop()
         scratch = Scratch()
         while True:
@@ -322,8 +324,7 @@ class DataPlane:
                     self._pending_bytes -= _received_bytes(work)
                     self._folding -= fold
                     self._commits -= isinstance(work, CommitPart)
-                    if index >= 0:
-                        self._queued[index] -= 1
+                    self._queued[index] -= 1
                     if fold or not self._commits:
                         self._fold_turn.notify_all()
             self._on_result(result)

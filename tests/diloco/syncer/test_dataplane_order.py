@@ -142,3 +142,23 @@ def test_init_parts_go_to_idle_workers_not_behind_their_lane(recorded) -> None:
     release["fold0"].set()
     assert _names(results, 1) == ["FoldPart0"]
     assert plane.backlog_bytes == 0
+
+
+def test_init_parts_run_on_idle_commit_workers_too(recorded) -> None:
+    """With both data workers held by folds, INIT parts still run at once: on the commit workers,
+    idle while fragments are still being initialised."""
+    plane, events, release, results = recorded
+    release["fold1"] = threading.Event()
+    plane.submit(_fold(0))
+    plane.submit(_fold(1))
+    _started(events, "fold0")
+    _started(events, "fold1")
+    for parts in ((2, 3), (4,)):  # (the recorder holds work by kind and part: parts 0 and 1 are the folds')
+        for part in parts:
+            plane.submit(_init(part))
+        assert sorted(_names(results, len(parts))) == [f"InitPart{k}" for k in parts]
+    assert ("end", "fold0") not in events and ("end", "fold1") not in events
+    release["fold0"].set()
+    release["fold1"].set()
+    assert sorted(_names(results, 2)) == ["FoldPart0", "FoldPart1"]
+    assert plane.backlog_bytes == 0
