@@ -228,6 +228,17 @@ class SyncClient:
         """Every fragment of the final cut, once all have arrived; None before."""
         return self.protocol.final_fragments()
 
+    def received_digest(self, fragment: int, version: int) -> str:
+        """The digest of our last accepted BCAST of ``fragment`` if it is ``version`` and was
+        hashed as it arrived (``ClientProtocol.received_digest``); else ``""``."""
+        return self.protocol.received_digest(fragment, version)
+
+    def refetch_final(self, fragment: int) -> None:
+        """We do not hold the value a held FINAL of ``fragment`` names: forget it and redial; the
+        syncer sends the new session the whole final cut, and what is already in is dropped."""
+        self.protocol.refetch_final(fragment)
+        self.rejoin()
+
     def final_received(self) -> int:
         """How many fragments of the final cut have arrived (taken or not)."""
         return self.protocol.final_received()

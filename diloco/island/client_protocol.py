@@ -99,6 +99,10 @@ class ClientProtocol(Inbox, Outbox):
         """(fragment, round) of pushes refused as ``stale_base``, for the boundary."""
         self._final_ack: wire.FinalAck | None = None
         """Our FINAL_ACK, resent after a redial during finalization (the syncer forgot it)."""
+        self._bcast_digests: dict[int, tuple[int, str]] = {}
+        """Per fragment, (version, digest) of the last accepted BCAST when it was hashed as it
+        arrived (fp32, after our done): what a held FINAL of that version installed from the
+        anchors is acknowledged with. At most one entry per fragment."""
         self._step = 0
         self._done = False
         self._claims: list[str] = list(claims) if claims and len(claims) == n else []
@@ -320,11 +324,32 @@ class ClientProtocol(Inbox, Outbox):
 
     def take_final(self, fragment: int) -> tuple[wire.Final, Tensors] | None:
         """Fragment ``fragment`` of the final cut once it has arrived (else None); its tensors
-        are let go of here, so the final cut is held one fragment at a time."""
+        are let go of here, so the final cut is held one fragment at a time. A held FINAL comes
+        with the tensors of the BCAST it names when we still hold them unapplied, and waits
+        (None) while a BCAST of that version is still arriving; without tensors otherwise (the
+        caller installs it from its anchors, or asks for the bytes: :meth:`refetch_final`)."""
         with self._guard:
             self._raise_fatal()
             got = self._final.get(fragment)
             if got is None:
                 return None
+            arriving = self._assembling.get(("BCAST", fragment))
+            if got[0].held and not got[1] and arriving is not None and arriving.header.version == got[0].version:
+                return None
             self._final[fragment] = (got[0], [])
             return got
+
+    def received_digest(self, fragment: int, version: int) -> str:
+        """The digest of the BCAST of ``fragment`` at ``version`` we accepted last, taken as it
+        arrived; ``""`` when that is not the value we accepted last or it was not hashed."""
+        with self._guard:
+            got = self._bcast_digests.get(fragment)
+            return got[1] if got is not None and got[0] == version else ""
+
+    def refetch_final(self, fragment: int) -> None:
+        """Forget the held FINAL of ``fragment`` (we do not hold the value it names): the FINAL
+        the syncer sends a new session lands instead (the caller redials)."""
+        with self._guard:
+            got = self._final.get(fragment)
+            if got is not None and got[0].held:
+                del self._final[fragment]

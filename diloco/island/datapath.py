@@ -209,10 +209,6 @@ class DataPath:
             out.append((name, master[off : off + spec.numel].view(spec.shape)))
         return out
 
-    def _release(self, f: int) -> None:
-        """Give ``f``'s slot back (its views go with it)."""
-        self._slots.release(f, self._mine[f])
-
     def gathers_whole(self) -> bool:
         """Whether no push of this rank assembles a fragment (a non-sync rank only sends; a
         sync rank that holds every fragment whole streams deltas through DeltaSource)."""
@@ -225,10 +221,6 @@ class DataPath:
     def slot_holders(self) -> frozenset[int]:
         """The fragments whose θ_push a slot holds."""
         return self._slots.holders()
-
-    @property
-    def n_slots(self) -> int:
-        return self._slots.n
 
     def release_all(self, timeout_s: float) -> bool:
         """Forget every snapshot (before a final cut, which replaces every value), once the
@@ -256,7 +248,7 @@ class DataPath:
         holds another fragment."""
         if slotless:
             self._slotless.add(f)
-            self._release(f)
+            self._slots.release(f, self._mine[f])
             return
         if not self._slots.allocated:
             self.preallocate()
@@ -299,6 +291,13 @@ class DataPath:
         self._install_event[f] = event
         self._x._anchored.add(f)
         self.mark_quiet(f, self._staged_arrival.pop(f, -1))
+
+    def install_anchor(self, f: int) -> None:
+        """A held final cut, on every rank: ``f``'s anchors already hold its final value; write the
+        masters from them and leave ``f`` busy, as a final install does."""
+        self._staged_arrival[f] = -1
+        self._own.discard(f)
+        self.install(f, "cut")
 
     def anchor_own(self, f: int, mark: bool = True) -> None:
         """Start-up only (no step taken yet): this rank's anchors of ``f`` become its own masters,

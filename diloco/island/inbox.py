@@ -22,6 +22,7 @@ import torch
 
 from diloco import quant, wire
 from diloco.config import IslandConfig
+from diloco.digest import FragmentDigest
 from diloco.island.effects import BACKOFF_START_S, CHUNK_PARALLEL, Effects
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals, session
@@ -62,6 +63,9 @@ class _Assembly:
     its parts are checked and dropped, so a resend costs no buffer and never writes a value in use."""
     arrival: int = 0
     next_part: int = 0
+    digest: FragmentDigest | None = None
+    """The fp32 BCAST's digest as its parts land (only once we said we are done: a held FINAL
+    may name this value, ``Inbox._on_final_held``); None otherwise."""
 
 
 class Inbox:
@@ -89,6 +93,8 @@ class Inbox:
     _redial_delay: float
     _stale: list[tuple[int, int]]
     _final_ack: wire.FinalAck | None
+    _bcast_digests: dict[int, tuple[int, str]]
+    _done: bool
     _nonce: int
     _recv_seq: int
     _lane_ready: bool
@@ -162,7 +168,12 @@ class Inbox:
         if problem:
             return self._refuse(problem)
         h = opened.header
-        if isinstance(h, (wire.Bcast, wire.Final)):
+        digest = ""
+        if isinstance(h, wire.Final) and h.held:
+            if opened.metas or h.part != 0 or h.n_parts != 0:
+                return self._refuse(f"a held FINAL of fragment {h.fragment} carrying parts")
+            arrival, tensors = 0, []
+        elif isinstance(h, (wire.Bcast, wire.Final)):
             try:
                 got = self._assemble(h, opened)
             except Exception as exc:  # noqa: BLE001 - WireError, or a decoder gap: refuse the part
@@ -171,7 +182,7 @@ class Inbox:
                 return self._refuse(f"{wire.kind_of(h)} part {h.part} of fragment {h.fragment}: {reason}")
             if got is None:
                 return None
-            h, tensors, arrival = got
+            h, tensors, arrival, digest = got
         else:
             arrival = 0
             if opened.metas:
@@ -180,11 +191,13 @@ class Inbox:
                 return None
             tensors = []
         with self._guard:
-            self._deliver(h, tensors, arrival, now, out)
+            self._deliver(h, tensors, arrival, now, out, digest)
         return None
 
-    def _deliver(self, h: wire.Header, tensors: Tensors, arrival: int, now: float, out: Effects) -> None:
-        """A whole message of this session: its effect on the parked tables (inside the guard)."""
+    def _deliver(self, h: wire.Header, tensors: Tensors, arrival: int, now: float, out: Effects,
+                 digest: str = "") -> None:
+        """A whole message of this session: its effect on the parked tables (inside the guard);
+        ``digest``: of a BCAST hashed as it arrived (``""``: not hashed)."""
         if isinstance(h, wire.Welcome):
             self._on_welcome(h, out)
             return
@@ -201,13 +214,15 @@ class Inbox:
         if isinstance(h, wire.Pull):
             self._on_pull(h)
         elif isinstance(h, wire.Bcast):
-            self._on_bcast(h, tensors, arrival, now)
+            self._on_bcast(h, tensors, arrival, now, digest)
         elif isinstance(h, wire.Held):
             self._on_held(h)
         elif isinstance(h, wire.LaneOk):
             self._lane_ready = h.generation == self._generation  # INIT may use the lane now
         elif isinstance(h, wire.Final):
-            if self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
+            if h.held:
+                self._on_final_held(h)
+            elif self._final_ack is None:  # a FINAL resent after we acknowledged changes nothing
                 self._final[h.fragment] = (h, tensors)
         elif isinstance(h, wire.Shutdown):
             log.info("island %d: SHUTDOWN from the syncer: %s", self._cfg.island_id, h.reason)
@@ -251,8 +266,9 @@ class Inbox:
             log.warning("island %d: refused %s", self._cfg.island_id, problem)
 
     def _assemble(self, h: wire.Bcast | wire.Final,
-                  opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors, int] | None:
-        """Place one BCAST/FINAL part; the whole fragment once its last part is in (else None).
+                  opened: wire.Opened) -> tuple[wire.Bcast | wire.Final, Tensors, int, str] | None:
+        """Place one BCAST/FINAL part; the whole fragment once its last part is in (else None),
+        with its digest when it was hashed as it landed (``""`` otherwise).
 
         Parts of one stream arrive in order on our connection; a part 0 of a newer
         version replaces an unfinished older one (the newer value supersedes it)."""
@@ -272,8 +288,11 @@ class Inbox:
             raise wire.WireError(f"part {h.part} of version {h.version} out of order")
         if asm.views is not None:
             lo, hi = layout.part_range(h.part, self._part_elems)
-            opened.copy_into([asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)],  # check_part: same segments
-                             parallel=CHUNK_PARALLEL)
+            dests = [asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)]  # check_part: same segments
+            opened.copy_into(dests, parallel=CHUNK_PARALLEL)
+            if asm.digest is not None:
+                for piece in dests:  # stream order, while the part is still in cache
+                    asm.digest.update(piece)
         asm.next_part += 1
         if asm.next_part < h.n_parts:
             return None
@@ -281,7 +300,7 @@ class Inbox:
         if asm.views is None:
             return None  # a resent FINAL of a fragment already in: nothing to deliver
         return (asm.header, [(n, v.view(shape)) for n, v, shape in zip(layout.names, asm.views, layout.shapes)],
-                asm.arrival)
+                asm.arrival, asm.digest.hexdigest() if asm.digest is not None else "")
 
     def _begin_value(self, h: wire.Bcast | wire.Final, layout: wire.FragmentLayout, dtype: str,
                      key: tuple[str, int]) -> _Assembly:
@@ -302,7 +321,9 @@ class Inbox:
         if views is None:
             flat = self.pool.empty((layout.numel,), wire.WIRE_DTYPES[dtype])
             views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
-        return _Assembly(h, views, arrival)
+        # After our done, an fp32 BCAST may become our final value (a held FINAL): hash it as it lands.
+        hashed = isinstance(h, wire.Bcast) and dtype == "float32" and self._done
+        return _Assembly(h, views, arrival, digest=FragmentDigest(layout.names, layout.shapes) if hashed else None)
 
     def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)
@@ -318,6 +339,7 @@ class Inbox:
                 log.warning("island %d: joined a new syncer instance; accepting its cut", self._cfg.island_id)
                 self._accepted_version = [-1] * self._n_fragments
                 self._bcasts.clear()
+                self._bcast_digests.clear()
                 if self._feedback is not None:
                     self._feedback.reset_all()
             if self._final_ack is not None and h.syncer_id == self._syncer_id:
@@ -355,13 +377,23 @@ class Inbox:
             for k in sorted(self._pulls_taken, key=lambda k: k[1])[: len(self._pulls_taken) // 2]:
                 del self._pulls_taken[k]
 
-    def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0, now: float = 0.0) -> None:
+    def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0, now: float = 0.0,
+                  digest: str = "") -> None:
+        held = self._final.get(h.fragment)
+        if held is not None and held[0].held and not held[1] and held[0].version == h.version \
+                and self._final_ack is None and wire.bcast_dtype(self._cfg.wire_dtype) == "float32":
+            self._final[h.fragment] = (held[0], tensors)  # the value a held FINAL named, arrived after it
+            return
         if self._final or self._final_ack is not None:
             return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
         floor = self._accepted_version[h.fragment]
         if h.version <= floor:
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
+        if digest:
+            self._bcast_digests[h.fragment] = (h.version, digest)
+        else:
+            self._bcast_digests.pop(h.fragment, None)
         if self._claims:
             self._claims[h.fragment] = ""  # its value is being replaced: a later HELLO claims nothing of it
         if h.cut and self._feedback is not None:
@@ -384,9 +416,31 @@ class Inbox:
         if self._final or self._final_ack is not None or h.version <= self._accepted_version[h.fragment]:
             return
         self._accepted_version[h.fragment] = h.version
+        self._bcast_digests.pop(h.fragment, None)
         if self._feedback is not None:
             self._feedback.reset(h.fragment)  # a cut: no residual of ours belongs to it
         self._bcasts[h.fragment] = PendingBcast(h.fragment, h.version, h.round, True, [], held=True)
+
+
+    def _on_final_held(self, h: wire.Final) -> None:
+        """A held FINAL: the final value of ``h.fragment`` is the fp32 BCAST of ``h.version`` the
+        syncer streamed to us. Parked in the final cut with that BCAST's tensors when it is parked
+        unapplied (or when it completes later, ``_on_bcast``); else parked without tensors, and
+        the training thread installs it from the anchors it was staged into, or asks for the
+        bytes (``refetch_final``)."""
+        if not 0 <= h.fragment < self._n_fragments or h.version < 0 or len(h.versions) != self._n_fragments:
+            self.stats.refused += 1
+            log.warning("island %d: refused a malformed held FINAL %s", self._cfg.island_id, h)
+            return
+        if self._final_ack is not None or h.fragment in self._final:
+            return  # a resend: changes nothing
+        parked = self._bcasts.get(h.fragment)
+        if parked is not None and parked.version == h.version and parked.tensors and not parked.held \
+                and wire.bcast_dtype(self._cfg.wire_dtype) == "float32":
+            del self._bcasts[h.fragment]
+            self._final[h.fragment] = (h, parked.tensors)
+        else:
+            self._final[h.fragment] = (h, [])
 
 
 def _nbytes(frame: Any) -> int:

@@ -210,24 +210,37 @@ class Landings:
     def _install_final(self, events: list[dict]) -> float:
         """Install the final cut fragment by fragment as each arrives (collective): the sync rank
         digests each fragment as received (in its anchors, or a pooled buffer it lets go of once
-        staged) before installing it. Then acknowledge with the digests."""
+        staged) before installing it; a held FINAL whose value the anchors already hold is
+        installed from them, with the digest taken as that value arrived. Then acknowledge
+        with the digests."""
         t0 = time.monotonic()
         deadline = time.monotonic() + self.cfg.final_timeout_s
         data_bytes = 0
         digests: list[str] = []
         versions: list[int] = [0] * self.plan.n_fragments
+        held = 0
         for f in range(self.plan.n_fragments):
-            values, error = None, None
+            values, error, anchored = None, None, ""
             if self.is_sync:
-                values, header, error = self._take_final(f, deadline)
-                if values is not None and header is not None:
+                values, header, error, anchored = self._take_final(f, deadline)
+                if header is not None:
                     versions = list(header.versions)
-                    data_bytes += sum(t.numel() * t.element_size() for _, t in values)
+                if values is not None and header is not None:
+                    if not header.held:  # a held FINAL's bytes came as a BCAST
+                        data_bytes += sum(t.numel() * t.element_size() for _, t in values)
                     values = _fp32(values)
                     digests.append(tensor_digest(values))  # what we install: the syncer checks it
-            self._raise_if(broadcast_orders(Orders(error=error) if self.is_sync else None, self.group,
-                                            self.cfg.sync_rank))
-            self._stage(FINAL_CUT, Value(f, -1, 0, True), values, 0, "cut")
+                elif anchored:
+                    digests.append(anchored)  # taken as the value arrived, before it was staged
+            keep = [Value(f, versions[f], 0, True, held=True)] if anchored else []
+            orders = broadcast_orders(Orders(error=error, applies=keep) if self.is_sync else None, self.group,
+                                      self.cfg.sync_rank)
+            self._raise_if(orders)
+            if orders.applies:
+                self.data.install_anchor(f)
+                held += 1
+            else:
+                self._stage(FINAL_CUT, Value(f, -1, 0, True), values, 0, "cut")
             del values
         self.transfer.refresh(range(self.plan.n_fragments))
         # Every rank learns the final versions from one broadcast (the manifest).
@@ -237,30 +250,57 @@ class Landings:
         if self.is_sync and self.client is not None:
             self.client.send_final_ack(self.versions, digests)
             self.client.pool.clear()
-        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes})
+        events.append({"type": "final", "versions": list(self.versions), "data_bytes": data_bytes, "held": held})
         if self.is_sync:
-            log.info("island %d installed the final cut, versions %s", self.cfg.island_id, self.versions)
+            log.info("island %d installed the final cut, versions %s (%d fragments from values already here)",
+                     self.cfg.island_id, self.versions, held)
         return time.monotonic() - t0
 
-    def _take_final(self, f: int, deadline: float) -> tuple[Tensors | None, wire.Final | None, str | None]:
-        """Sync rank: fragment ``f`` of the final cut, waiting for it until ``deadline``;
-        (values, header, None) or (None, None, why not)."""
+    def _take_final(self, f: int, deadline: float) -> tuple[Tensors | None, wire.Final | None, str | None, str]:
+        """Sync rank: fragment ``f`` of the final cut, waiting for it until ``deadline``:
+        (values, header, None, "") to stage; (None, header, None, digest) for a held FINAL
+        whose value the anchors hold; or (None, None, why not, "")."""
         assert self.client is not None
         try:
             while True:
                 got = self.client.take_final(f)
                 if got is not None:
                     header, values = got
+                    if header.held and not values:
+                        values, anchored = self._held_value(f, header)
+                        if values is None and not anchored:
+                            log.warning("island %d: the syncer says we hold fragment %d version %d of the final "
+                                        "cut, but we do not: asking for its bytes (a new session)",
+                                        self.cfg.island_id, f, header.version)
+                            self.client.refetch_final(f)
+                            continue
+                        if values is None:
+                            return None, header, None, anchored
                     problem = self._check_values(f, values)
                     if problem:
-                        return None, None, f"the syncer's final cut does not match our plan: {problem}"
-                    return values, header, None
+                        return None, None, f"the syncer's final cut does not match our plan: {problem}", ""
+                    return values, header, None, ""
                 if time.monotonic() > deadline:
                     return None, None, (f"fragment {f} of the final cut did not arrive within "
-                                        f"{self.cfg.final_timeout_s:.0f}s")
+                                        f"{self.cfg.final_timeout_s:.0f}s"), ""
                 self.client.wait_event(0.05)
         except SyncError as exc:
-            return None, None, str(exc)
+            return None, None, str(exc), ""
+
+    def _held_value(self, f: int, header: wire.Final) -> tuple[Tensors | None, str]:
+        """Sync rank, after the drain: where the value a held FINAL names is. (tensors, "") of a
+        parked BCAST of that version; (None, digest) when the anchors hold it (staged or
+        installed last, and hashed as it arrived); (None, "") when we do not hold it."""
+        assert self.client is not None
+        if wire.bcast_dtype(self.cfg.wire_dtype) != "float32":
+            return None, ""  # our values are rounded: never the syncer's fp32 value
+        slot = self.planner.slots[f]
+        if slot.pending is not None and slot.pending.version == header.version and slot.pending.tensors \
+                and not slot.pending.held:
+            return self.planner.take_pending(f).tensors, ""
+        if slot.anchor_version == header.version:
+            return None, self.client.received_digest(f, header.version)
+        return None, ""
 
 
 def _fp32(tensors: Tensors) -> Tensors:

@@ -91,6 +91,9 @@ class FragmentSlot:
     fragment: int
     version: int = -1
     """Version of the global value installed last (-1: none yet)."""
+    anchor_version: int = -1
+    """Version of the global value the anchors hold: the one staged last, or installed last
+    (-1: none). A held FINAL of this version is installed from them."""
     applied_round: int = 0
     """Newest round installed (a cut resets it to its own round)."""
     unmerged_steps: int = 0
@@ -345,6 +348,7 @@ class Planner:
         slot = self.slots[value.fragment]
         slot.stale = False
         slot.staging = Staged(value, mode, seq, data_bytes)
+        slot.anchor_version = value.version
 
     def take_staged(self, f: int) -> Staged:
         """The staged value of ``f`` ordered installed now (it leaves the slot)."""
@@ -358,7 +362,7 @@ class Planner:
         local progress since the push snapshot was kept. Returns the commit's lag in steps since
         our push of that round (None for a cut or a round we did not push)."""
         slot = self.slots[value.fragment]
-        slot.version = value.version
+        slot.version = slot.anchor_version = value.version
         slot.applied_round = value.round if value.cut else max(slot.applied_round, value.round)
         slot.snap_round, slot.handed = None, False
         if not progress:
@@ -394,7 +398,7 @@ class Planner:
     def final_installed(self, versions: list[int]) -> None:
         """The syncer's final cut is installed with these versions."""
         for slot, v in zip(self.slots, versions, strict=True):
-            slot.version = v
+            slot.version = slot.anchor_version = v
 
 
 def _value_of(b: PendingBcast) -> Value:

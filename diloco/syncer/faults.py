@@ -3,7 +3,9 @@
 Off unless ``YETO_TEST_FAULTS`` is set (never in production; the loop logs a warning
 when it is). The value is a comma-separated list of rules ``MODE:KIND:N``:
 
-* ``KIND`` is ``BCAST``, ``CUT`` (a BCAST of an initial cut), ``FINAL`` or ``PULL``;
+* ``KIND`` is ``BCAST``, ``CUT`` (a BCAST of an initial cut), ``FINAL``, ``PULL`` or
+  ``BCAST_DONE`` (a BCAST to an island that said it is done: the value a held FINAL names; such
+  a BCAST counts as a ``BCAST`` too);
 * ``N`` (1-based) picks the N-th message of that kind the loop sends;
 * ``MODE`` ``drop`` loses it silently (as a TCP reset loses what the kernel still held:
   no send error, the syncer never learns), ``fail`` makes it look like a send error
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 ENV = "YETO_TEST_FAULTS"
-KINDS = ("BCAST", "CUT", "FINAL", "PULL")
+KINDS = ("BCAST", "CUT", "FINAL", "PULL", "BCAST_DONE")
 MODES = ("drop", "fail")
 
 

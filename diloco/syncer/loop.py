@@ -301,13 +301,18 @@ class SyncerLoop:
         """Test-only (``YETO_TEST_FAULTS``): True when this message is to be lost on purpose."""
         if self.faults is None:
             return False
+        kinds = []
         if isinstance(o, OutStream):
-            kind = "CUT" if o.cut else o.kind
+            kinds.append("CUT" if o.cut else o.kind)
+            rec = next((i for i in self.state.islands if i.bound and i.peer == o.peer), None)
+            if o.kind == "BCAST" and rec is not None and rec.holds_final(o.fragment, o.version):
+                kinds.append("BCAST_DONE")
         elif isinstance(o.header, Pull):
-            kind = "PULL"
+            kinds.append("PULL")
         else:
             return False
-        mode = self.faults.take(kind)
+        modes = [self.faults.take(k) for k in kinds]
+        mode = next((m for m in modes if m is not None), None)
         if mode == "fail":  # as if the send failed: the state learns it
             if isinstance(o, OutStream):
                 self._lost(o.peer, o.kind, o.fragment, o.cut)
@@ -339,10 +344,12 @@ class SyncerLoop:
                     self._pacer.add(o.peer, stream)
                     self._tracked.append((stream, o))
                 continue
-            behind = self._pacer.last_stream(o.peer) if isinstance(o.header, Pull) else None
+            follows = isinstance(o.header, Pull) or isinstance(o.header, Final) and o.header.held
+            behind = self._pacer.last_stream(o.peer) if follows else None
             if behind is not None:
                 # A PULL follows every value already streaming to that island, so it is
-                # answered against the newest anchor; heartbeats and errors never wait.
+                # answered against the newest anchor, and a held FINAL follows the value it
+                # names; heartbeats and errors never wait.
                 # Sealed when it is sent, so its sequence number follows the stream's.
                 behind.then.append(lambda o=o: self._seal_control(o))
                 continue

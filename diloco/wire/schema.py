@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-PROTOCOL_VERSION: int = 5
+PROTOCOL_VERSION: int = 6
 """Bumped on any incompatible change of the envelope or of a header kind (2: parted fragments;
 3: session nonce and sequence number in the envelope, WELCOME echoes the generation; 4: PROGRESS
 notices, BCAST carries the commit's duration; 5: HELLO claims the values it holds, HELD notices,
@@ -283,7 +283,10 @@ class Heartbeat(_HeaderBase, tag="HEARTBEAT"):
 
 
 class Final(_HeaderBase, tag="FINAL"):
-    """syncer -> island: fp32 final value of one fragment plus the version manifest."""
+    """syncer -> island: fp32 final value of one fragment plus the version manifest; or, with
+    ``held``, a notice without bytes (``part`` 0, ``n_parts`` 0): the final value is the fp32
+    BCAST of ``version`` the syncer streamed to this session after the island said it is done
+    (the island installs that value, or redials for the bytes if it does not hold it)."""
 
     fragment: int
     version: int
@@ -291,6 +294,7 @@ class Final(_HeaderBase, tag="FINAL"):
     versions: tuple[int, ...]
     part: int = 0
     n_parts: int = 1
+    held: bool = False
 
 
 class FinalAck(_HeaderBase, tag="FINAL_ACK"):

@@ -38,8 +38,8 @@ from diloco.syncer.core.admission import Admission
 from diloco.syncer.core.book import FragmentBook
 from diloco.syncer.core.checks import Dropped, Refused
 from diloco.syncer.core.config import SyncerConfig
-from diloco.syncer.core.cuts import Cuts
-from diloco.syncer.core.effects import Journal, Out, final, pull
+from diloco.syncer.core.cuts import Cuts, spans
+from diloco.syncer.core.effects import Journal, Out, final_or_held, pull
 from diloco.syncer.core.events import Event, Gauges, IslandGauge, Lost, Received, Tick
 from diloco.syncer.core.finalize import Finalize
 from diloco.syncer.core.laggards import Laggards
@@ -421,8 +421,10 @@ class Coordinator:
                 out.append(Outgoing(isl.peer, Shutdown(reason=reason)))
 
     def _finals(self, isl: IslandRecord) -> list[Out]:
+        """The final cut for ``isl``: per fragment a held notice for the fp32 value it was streamed
+        after it said done, else the fp32 stream (``effects.final_or_held``)."""
         versions = self.versions()
-        return [final(isl, frag, versions) for frag in self.fragments]
+        return [final_or_held(isl, frag, versions) for frag in self.fragments]
 
     # ------------------------------------------------------------------ progress
 
@@ -485,3 +487,7 @@ class Coordinator:
             isl.final_acked = False
             isl.final_digests = ()
             out.extend(self._finals(isl))
+            held = [f.index for f in self.fragments if isl.holds_final(f.index, f.version)]
+            if held:
+                log.info("island %d holds fragments %s of the final cut (streamed to it after its done): HELD, "
+                         "not sent again", isl.island, spans(held))

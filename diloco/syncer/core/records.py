@@ -62,6 +62,11 @@ class IslandRecord:
     claims: tuple[str, ...] = ()
     """The current HELLO's ``holds``: per fragment the digest of the value the island holds
     (``""``: no claim); ``()``: no claims."""
+    done_values: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the version of the last fp32 value streamed to the island in this session
+    after it said it is done (``Heartbeat.done``): the island hashed it as it arrived, so a
+    FINAL of that version goes as a HELD notice (``Final.held``), not as bytes again. At most
+    one entry per fragment; cleared with the cut (a new HELLO, a revival) and on a send error."""
     final_acked: bool = False
     final_digests: tuple[str, ...] = ()
     """Per-fragment digests of what the island says it installed (its FINAL_ACK)."""
@@ -102,10 +107,24 @@ class IslandRecord:
         self.cut_sent = False
         self.cut_given = set()
         self.cut_held = []
+        self.done_values = {}
 
     def has_cut(self, fragment: int) -> bool:
         """Whether ``fragment`` of the current cut was given (later versions of it then follow)."""
         return self.cut_sent or fragment in self.cut_given
+
+    def streamed(self, fragment: int, version: int, dtype: str) -> None:
+        """A value stream of ``fragment`` at ``version`` in ``dtype`` goes to the island now:
+        remembered for a held FINAL when it is fp32 and the island said it is done (it hashes
+        what it receives then), forgotten otherwise (the island's last value is another)."""
+        if dtype == "float32" and self.done:
+            self.done_values[fragment] = version
+        else:
+            self.done_values.pop(fragment, None)
+
+    def holds_final(self, fragment: int, version: int) -> bool:
+        """Whether the island was streamed exactly this fp32 value of ``fragment`` after its done."""
+        return self.done_values.get(fragment) == version
 
     def claim(self, fragment: int) -> str:
         """The digest the current HELLO claims for ``fragment`` (``""``: none)."""

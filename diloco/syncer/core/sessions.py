@@ -311,6 +311,7 @@ class Sessions:
         if rec is None:
             return
         rec.lost_at = now
+        rec.done_values = {}  # what else went to it is uncertain now: its final cut goes as bytes
         if kind in ("BCAST", "FINAL") and 0 <= fragment < n_fragments:
             rec.owed[fragment] = rec.owed.get(fragment, False) or cut
         rec.owe_pulls = True

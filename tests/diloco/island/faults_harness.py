@@ -31,6 +31,7 @@ class Run:
     islands: int = 3
     steps: int = 40
     faults: str = ""
+    wire_dtype: str = "bfloat16"
     syncer_args: tuple[str, ...] = ()
     addr: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -69,7 +70,7 @@ class Run:
         self._logs.append(log)
         self.procs[i] = subprocess.Popen(
             [sys.executable, str(ISLAND), "--addr", self.addr, "--island-id", str(i), "--out", str(self.out),
-             "--steps", str(self.steps), "--wire-dtype", "bfloat16", "--env"],
+             "--steps", str(self.steps), "--wire-dtype", self.wire_dtype, "--env"],
             stdout=log, stderr=subprocess.STDOUT, env=self.env())
 
     def start(self) -> None:

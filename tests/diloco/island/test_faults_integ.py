@@ -102,3 +102,19 @@ def test_syncer_gone_for_a_long_while(tmp_path) -> None:
     assert "resumed:" in resumed and "commit round" in resumed, resumed[-3000:]
     # The restored values are let go once superseded: no round waits for the memory budget.
     assert "fragment buffers alive" not in resumed, resumed[-3000:]
+
+
+def test_held_final_cut_and_a_lost_value_it_names(tmp_path) -> None:
+    """fp32 islands: the final value of a fragment streamed to an island after its done goes as a
+    HELD notice (no bytes). One such BCAST is lost silently: the island's next push of that
+    fragment is refused ``stale_base`` and the value is resent (the island redials for the bytes
+    if it still lacks it: ``test_final_held_integ.py``). Every island still ends bitwise equal to
+    the syncer's final checkpoint, and the syncer checked each FINAL_ACK's digests."""
+    run = Run(tmp_path, faults="drop:BCAST_DONE:1", steps=40, wire_dtype="float32")
+    run.start()
+    _finish(run)
+    logs = run.syncer_logs()
+    assert logs.count("fault hook:") == 1, logs[-3000:]
+    assert "HELD, not sent again" in logs
+    islands = "".join(p.read_text() for p in sorted(tmp_path.glob("island*.log")))
+    assert "fragments from values already here" in islands and "(0 fragments from" not in islands, islands[-3000:]
