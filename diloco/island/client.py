@@ -38,7 +38,7 @@ from diloco.config import IslandConfig
 from diloco.island.client_protocol import ClientProtocol
 from diloco.island.delta_source import DeltaSource, PartRing
 from diloco.island.effects import Effects, SyncError
-from diloco.island.inbox import ReceiveTarget
+from diloco.island.assembly import ReceiveTarget
 from diloco.island.lane import BIND_WAIT_S, InitLane, dial
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast

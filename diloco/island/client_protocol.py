@@ -31,7 +31,8 @@ from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.island.delta_source import PartRing
 from diloco.island.effects import BACKOFF_MAX_S, BACKOFF_START_S, Effects, SyncError
-from diloco.island.inbox import Inbox, ReceiveTarget, _Assembly
+from diloco.island.assembly import Assembly, ReceiveTarget
+from diloco.island.inbox import Inbox
 from diloco.island.liveness import Liveness
 from diloco.island.orders import PendingBcast
 from diloco.island.outbox import WINDOW, ClientStats, Outbox
@@ -88,6 +89,10 @@ class ClientProtocol(Inbox, Outbox):
         self._bcasts: dict[int, PendingBcast] = {}
         self._accepted_version: list[int] = [-1] * n
         self._final: dict[int, tuple[wire.Final, Tensors]] = {}
+        self._final_taken: set[int] = set()
+        """Fragments of the final cut the training thread took (installed or installing)."""
+        self._refetching = False
+        """A held FINAL named a value we lack: held notices are ignored until the next WELCOME."""
         self._shutdown: str | None = None
         self._fatal: str | None = None
         self._instance = instance if instance is not None else random.getrandbits(62) + 1
@@ -126,7 +131,7 @@ class ClientProtocol(Inbox, Outbox):
         self._feedback = (quant.ErrorFeedback(config.wire_dtype, config.quant_block)
                           if config.wire_dtype in wire.QUANT_KINDS else None)
         """Residuals of low-bit pushes, per fragment, on the host where the gathered delta is."""
-        self._assembling: dict[tuple[str, int], _Assembly] = {}
+        self._assembling: dict[tuple[str, int], Assembly] = {}
         self._last_heard = now
         self._last_beat = 0.0
         self._backoff = BACKOFF_START_S
@@ -325,18 +330,16 @@ class ClientProtocol(Inbox, Outbox):
     def take_final(self, fragment: int) -> tuple[wire.Final, Tensors] | None:
         """Fragment ``fragment`` of the final cut once it has arrived (else None); its tensors
         are let go of here, so the final cut is held one fragment at a time. A held FINAL comes
-        with the tensors of the BCAST it names when we still hold them unapplied, and waits
-        (None) while a BCAST of that version is still arriving; without tensors otherwise (the
-        caller installs it from its anchors, or asks for the bytes: :meth:`refetch_final`)."""
+        with the tensors of the BCAST it names when we still hold them unapplied; without tensors
+        otherwise (the caller installs it from its anchors, or asks for the bytes:
+        :meth:`refetch_final`)."""
         with self._guard:
             self._raise_fatal()
             got = self._final.get(fragment)
             if got is None:
                 return None
-            arriving = self._assembling.get(("BCAST", fragment))
-            if got[0].held and not got[1] and arriving is not None and arriving.header.version == got[0].version:
-                return None
             self._final[fragment] = (got[0], [])
+            self._final_taken.add(fragment)
             return got
 
     def received_digest(self, fragment: int, version: int) -> str:
@@ -347,9 +350,13 @@ class ClientProtocol(Inbox, Outbox):
             return got[1] if got is not None and got[0] == version else ""
 
     def refetch_final(self, fragment: int) -> None:
-        """Forget the held FINAL of ``fragment`` (we do not hold the value it names): the FINAL
-        the syncer sends a new session lands instead (the caller redials)."""
+        """Forget the held FINAL of ``fragment`` (we do not hold the value it names) and every held
+        FINAL not taken yet, and ignore held notices until the next WELCOME: the FINALs the
+        syncer sends the new session (always bytes) land instead, so one redial serves every
+        fragment (the caller redials). Fragments already installed keep their entry: their bytes
+        are dropped as resends."""
         with self._guard:
-            got = self._final.get(fragment)
-            if got is not None and got[0].held:
-                del self._final[fragment]
+            self._final_taken.discard(fragment)
+            for f in [g for g, (h, _) in self._final.items() if h.held and g not in self._final_taken]:
+                del self._final[f]
+            self._refetching = True

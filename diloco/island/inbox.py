@@ -13,9 +13,7 @@ frames and the time in, :class:`~diloco.island.client_protocol.Effects` out.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.digest import FragmentDigest
+from diloco.island.assembly import Assembly, ReceiveTarget
 from diloco.island.effects import BACKOFF_START_S, CHUNK_PARALLEL, Effects
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals, session
@@ -46,28 +45,6 @@ previous process of this island id may just have died: its binding lapses after 
 ``wait_welcome`` turns it into a fatal error at its timeout. Once welcomed, it is fatal at once."""
 
 
-ReceiveTarget = Callable[[int, str, bool], "tuple[list[torch.Tensor] | None, int]"]
-"""``(fragment, dtype, busy) -> (flat views or None, arrival)``, called on the I/O thread at
-the first part of every value of a fragment: where it may land directly (the island's anchors:
-one flat view per tensor in plan order; never when ``busy``, another stream of the fragment
-arriving), or None for a pooled buffer; and the value's arrival number for that fragment."""
-
-
-@dataclass
-class _Assembly:
-    """A BCAST or FINAL arriving part by part into one flat view per tensor."""
-
-    header: wire.Bcast | wire.Final
-    views: list[torch.Tensor] | None
-    """Where the parts land; None: a FINAL of a fragment whose final value is already in (a resend):
-    its parts are checked and dropped, so a resend costs no buffer and never writes a value in use."""
-    arrival: int = 0
-    next_part: int = 0
-    digest: FragmentDigest | None = None
-    """The fp32 BCAST's digest as its parts land (only once we said we are done: a held FINAL
-    may name this value, ``Inbox._on_final_held``); None otherwise."""
-
-
 class Inbox:
     """Receive rules (methods of ``ClientProtocol``; the connection's thread)."""
 
@@ -87,6 +64,8 @@ class Inbox:
     _bcasts: dict[int, PendingBcast]
     _accepted_version: list[int]
     _final: dict[int, tuple[wire.Final, Tensors]]
+    _final_taken: set[int]
+    _refetching: bool
     _shutdown: str | None
     _fatal: str | None
     _last_refusal: str | None
@@ -103,7 +82,7 @@ class Inbox:
     _init_held: tuple[bool, ...]
     _init_done: set[int]
     _init_lost: set[int]
-    _assembling: dict[tuple[str, int], _Assembly]
+    _assembling: dict[tuple[str, int], Assembly]
     _last_heard: float
     _backoff: float
     receive_target: ReceiveTarget | None
@@ -303,7 +282,7 @@ class Inbox:
                 asm.arrival, asm.digest.hexdigest() if asm.digest is not None else "")
 
     def _begin_value(self, h: wire.Bcast | wire.Final, layout: wire.FragmentLayout, dtype: str,
-                     key: tuple[str, int]) -> _Assembly:
+                     key: tuple[str, int]) -> Assembly:
         """Where a value beginning to arrive lands: nowhere (a FINAL of a fragment whose final value
         is already in, or after we acknowledged the final cut), straight into the anchors (the
         fragment is quiet: ``receive_target``), else one pooled buffer.
@@ -315,7 +294,7 @@ class Inbox:
         resent FINAL is dropped part by part. The final cut therefore costs no buffer of its own
         when its fragments are quiet, and at most one pooled fragment each otherwise."""
         if isinstance(h, wire.Final) and (h.fragment in self._final or self._final_ack is not None):
-            return _Assembly(h, None)
+            return Assembly(h, None)
         busy = any(k[1] == h.fragment and k != key for k in self._assembling) or h.fragment in self._final
         views, arrival = (None, 0) if self.receive_target is None else self.receive_target(h.fragment, dtype, busy)
         if views is None:
@@ -323,7 +302,7 @@ class Inbox:
             views = [flat[s : s + n] for s, n in zip(layout.starts, layout.sizes())]
         # After our done, an fp32 BCAST may become our final value (a held FINAL): hash it as it lands.
         hashed = isinstance(h, wire.Bcast) and dtype == "float32" and self._done
-        return _Assembly(h, views, arrival, digest=FragmentDigest(layout.names, layout.shapes) if hashed else None)
+        return Assembly(h, views, arrival, digest=FragmentDigest(layout.names, layout.shapes) if hashed else None)
 
     def _on_welcome(self, h: wire.Welcome, out: Effects) -> None:
         problem = wire.check_part_elems(h.part_elems)
@@ -359,6 +338,7 @@ class Inbox:
             self._nonce = h.nonce
             self._welcome = h
             self._last_refusal = None
+            self._refetching = False
         out.wake = True
 
     def _on_pull(self, h: wire.Pull) -> None:
@@ -379,15 +359,12 @@ class Inbox:
 
     def _on_bcast(self, h: wire.Bcast, tensors: Tensors, arrival: int = 0, now: float = 0.0,
                   digest: str = "") -> None:
-        held = self._final.get(h.fragment)
-        if held is not None and held[0].held and not held[1] and held[0].version == h.version \
-                and self._final_ack is None and wire.bcast_dtype(self._cfg.wire_dtype) == "float32":
-            self._final[h.fragment] = (held[0], tensors)  # the value a held FINAL named, arrived after it
-            return
         if self._final or self._final_ack is not None:
             return  # nothing is applied after (or during) the final cut: it is the syncer's exactly
         floor = self._accepted_version[h.fragment]
         if h.version <= floor:
+            if h.version == floor and digest:  # one syncer instance: the same version is the same bytes
+                self._bcast_digests[h.fragment] = (h.version, digest)
             return  # an identical replay or an older value
         self._accepted_version[h.fragment] = h.version
         if digest:
@@ -425,15 +402,21 @@ class Inbox:
     def _on_final_held(self, h: wire.Final) -> None:
         """A held FINAL: the final value of ``h.fragment`` is the fp32 BCAST of ``h.version`` the
         syncer streamed to us. Parked in the final cut with that BCAST's tensors when it is parked
-        unapplied (or when it completes later, ``_on_bcast``); else parked without tensors, and
-        the training thread installs it from the anchors it was staged into, or asks for the
-        bytes (``refetch_final``)."""
+        unapplied; else parked without tensors, and the training thread installs it from the
+        anchors it was staged into, or asks for the bytes (``refetch_final``).
+
+        The syncer sends a notice behind every value it streams to us, so a BCAST of the fragment
+        still assembling here is dead (parts of it were lost): dropped. Ignored while we wait
+        for a new session's bytes (``refetch_final``): notices of the old one are stale."""
         if not 0 <= h.fragment < self._n_fragments or h.version < 0 or len(h.versions) != self._n_fragments:
             self.stats.refused += 1
             log.warning("island %d: refused a malformed held FINAL %s", self._cfg.island_id, h)
             return
-        if self._final_ack is not None or h.fragment in self._final:
-            return  # a resend: changes nothing
+        if self._final_ack is not None or h.fragment in self._final or self._refetching:
+            return  # a resend, or a notice of the session we left: changes nothing
+        if self._assembling.pop(("BCAST", h.fragment), None) is not None:
+            log.warning("island %d: a BCAST of fragment %d stopped arriving before the held FINAL that "
+                        "follows it: dropped", self._cfg.island_id, h.fragment)
         parked = self._bcasts.get(h.fragment)
         if parked is not None and parked.version == h.version and parked.tensors and not parked.held \
                 and wire.bcast_dtype(self._cfg.wire_dtype) == "float32":

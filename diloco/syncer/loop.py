@@ -270,6 +270,7 @@ class SyncerLoop:
                                     self._consumption.versions)
         if payload_of is None:
             log.info("skipping %s of fragment %d version %d: superseded", o.kind, o.fragment, o.version)
+            state.on_unsent(o.peer, o.fragment, o.version)
             return None
         key_bytes = self.options.key
 
@@ -362,6 +363,8 @@ class SyncerLoop:
                 log.warning("peer %s is slow (send queue full): dropped %s", o.peer.hex(), type(o.header).__name__)
                 if isinstance(o.header, Pull):
                     self._lost(o.peer, "PULL", -1, False)
+                elif isinstance(o.header, Final):  # a held notice: owed as bytes once heard from
+                    self._lost(o.peer, "FINAL", o.header.fragment, False)
             except zmq.ZMQError as e:
                 if e.errno != errno.EHOSTUNREACH:
                     raise
@@ -370,6 +373,8 @@ class SyncerLoop:
                 log.warning("peer %s is gone: dropped %s", o.peer.hex(), type(o.header).__name__)
                 if isinstance(o.header, Pull):
                     self._lost(o.peer, "PULL", -1, False)
+                elif isinstance(o.header, Final):  # a held notice: owed as bytes once heard from
+                    self._lost(o.peer, "FINAL", o.header.fragment, False)
         self._pacer.pump()
         self._check_streams()
         self._cache.prune(self.state.versions())

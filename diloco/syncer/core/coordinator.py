@@ -379,6 +379,13 @@ class Coordinator:
         reconnected under a new routing id gets a whole new cut anyway."""
         self.sessions.on_lost(peer, kind, fragment, cut, now, self.n_fragments)
 
+    def on_unsent(self, peer: bytes, fragment: int, version: int) -> None:
+        """The loop skipped the BCAST of ``fragment`` at ``version`` to ``peer`` (superseded before
+        a part went): no held FINAL may name it."""
+        i = self.sessions.island_of(peer)
+        if i is not None:
+            self.sessions.islands[i].unsent(fragment, version)
+
     # ------------------------------------------------------------------ handlers
 
     def _on_heartbeat(self, peer: bytes, h: Heartbeat, msg: Opened, now: float, out: list[Out]) -> None:

@@ -36,7 +36,7 @@ def bcast(isl: IslandRecord, frag: FragmentRecord, round_: int, cut: bool) -> Ou
     """The current value of ``frag`` to ``isl`` (in its broadcast dtype), as of ``round_``; ``cut``:
     part of the island's cut. Noted on ``isl`` (``IslandRecord.streamed``) for a held FINAL."""
     dtype = bcast_dtype(isl.wire_dtype)
-    isl.streamed(frag.index, frag.version, dtype)
+    isl.streamed(frag.index, frag.version, dtype, cut)
     return OutStream(isl.peer, "BCAST", frag.index, frag.version, round_, cut, dtype)
 
 

@@ -113,14 +113,21 @@ class IslandRecord:
         """Whether ``fragment`` of the current cut was given (later versions of it then follow)."""
         return self.cut_sent or fragment in self.cut_given
 
-    def streamed(self, fragment: int, version: int, dtype: str) -> None:
+    def streamed(self, fragment: int, version: int, dtype: str, cut: bool = False) -> None:
         """A value stream of ``fragment`` at ``version`` in ``dtype`` goes to the island now:
-        remembered for a held FINAL when it is fp32 and the island said it is done (it hashes
-        what it receives then), forgotten otherwise (the island's last value is another)."""
-        if dtype == "float32" and self.done:
+        remembered for a held FINAL when it is an fp32 round value (not a cut: a cut goes to a
+        session that may not have said done itself) and the island said it is done (it hashes
+        what it receives then); forgotten otherwise (the island's last value is another)."""
+        if dtype == "float32" and self.done and not cut:
             self.done_values[fragment] = version
         else:
             self.done_values.pop(fragment, None)
+
+    def unsent(self, fragment: int, version: int) -> None:
+        """The stream of ``fragment`` at ``version`` was not sent after all (superseded): its
+        final value goes as bytes."""
+        if self.done_values.get(fragment) == version:
+            del self.done_values[fragment]
 
     def holds_final(self, fragment: int, version: int) -> bool:
         """Whether the island was streamed exactly this fp32 value of ``fragment`` after its done."""

@@ -105,3 +105,23 @@ def test_bf16_islands_and_values_streamed_before_done_are_never_held() -> None:
     assert not [o for o in out if isinstance(o, Outgoing) and isinstance(o.header, Final)]
     assert all(sorted(_streamed(out, peer(i))) == [0, 1] for i in range(3))
     assert all(isinstance(o, OutStream) and o.wire_dtype == "float32" for o in streams(out, "FINAL"))
+
+
+def test_only_round_values_sent_after_done_are_remembered() -> None:
+    from diloco.syncer.core.records import IslandRecord
+
+    rec = IslandRecord(0)
+    rec.streamed(0, 2, "float32")
+    assert not rec.holds_final(0, 2)  # before done: the island did not hash it
+    rec.done = True
+    rec.streamed(0, 3, "float32", cut=True)
+    assert not rec.holds_final(0, 3)  # a cut goes to a session that may not have said done itself
+    rec.streamed(0, 3, "float32")
+    rec.streamed(1, 5, "float32")
+    assert rec.holds_final(0, 3) and rec.holds_final(1, 5) and not rec.holds_final(0, 2)
+    rec.unsent(1, 4)  # another version skipped: changes nothing
+    assert rec.holds_final(1, 5)
+    rec.unsent(1, 5)  # the stream was superseded before a part went: its final goes as bytes
+    assert not rec.holds_final(1, 5)
+    rec.streamed(0, 4, "bfloat16")
+    assert not rec.holds_final(0, 3) and not rec.holds_final(0, 4)
