@@ -22,6 +22,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from diloco.syncer.core.records import Outgoing, OutStream
+from diloco.wire import Pull
+
 log = logging.getLogger(__name__)
 
 ENV = "YETO_TEST_FAULTS"
@@ -57,6 +60,12 @@ class FaultHook:
         log.warning("%s=%s: the syncer will lose chosen messages ON PURPOSE (tests only)", ENV, spec)
         return hook
 
+    def pick(self, kinds: list[str]) -> str | None:
+        """Count one message of each of ``kinds`` (it is all of them); the mode of the first rule
+        that fires, or None (send it)."""
+        modes = [self.take(k) for k in kinds]
+        return next((m for m in modes if m is not None), None)
+
     def take(self, kind: str) -> str | None:
         n = self.counts[kind] = self.counts.get(kind, 0) + 1
         mode = self.rules.get((kind, n))
@@ -64,3 +73,11 @@ class FaultHook:
             self.fired.append(f"{mode}:{kind}:{n}")
             log.warning("fault hook: %s %s #%d", mode, kind, n)
         return mode
+
+
+def kinds_of(o: OutStream | Outgoing, after_done: bool) -> list[str]:
+    """The fault kinds an outgoing message counts as (none: never lost on purpose).
+    ``after_done``: a BCAST whose value a held FINAL would name (``BCAST_DONE``)."""
+    if isinstance(o, OutStream):
+        return ["CUT" if o.cut else o.kind] + (["BCAST_DONE"] if o.kind == "BCAST" and after_done else [])
+    return ["PULL"] if isinstance(o.header, Pull) else []

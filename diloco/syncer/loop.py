@@ -50,7 +50,7 @@ from diloco.syncer.core.work import CommitPart, EncodePart, Result
 from diloco.syncer.dataplane import DataPlane
 from diloco.syncer.ckptwriter import CheckpointWriter
 from diloco.syncer.encoded import EncodedCache
-from diloco.syncer.faults import FaultHook
+from diloco.syncer.faults import FaultHook, kinds_of
 from diloco.syncer.links import LinkWatch
 from diloco.syncer.consume import Consumption
 from diloco.syncer.payloads import payload_source
@@ -114,6 +114,9 @@ class SyncerLoop:
         self._consumption = Consumption(self._cache)
         self._pacer = Pacer(options.window, self._send_tracked)
         self._tracked: list[tuple[Stream, OutStream]] = []
+        self._held_behind: list[tuple[Stream, int, bytes]] = []
+        """(stream, fragment, peer) of each held FINAL queued behind a stream still sending (at most
+        one per fragment and island): lost with that stream, it is reported like the stream."""
         """Value streams handed to the pacer, until done: an abandoned one is reported lost."""
         self.faults = FaultHook.from_env()
         self.links = LinkWatch(state.config.islands)
@@ -302,18 +305,9 @@ class SyncerLoop:
         """Test-only (``YETO_TEST_FAULTS``): True when this message is to be lost on purpose."""
         if self.faults is None:
             return False
-        kinds = []
-        if isinstance(o, OutStream):
-            kinds.append("CUT" if o.cut else o.kind)
-            rec = next((i for i in self.state.islands if i.bound and i.peer == o.peer), None)
-            if o.kind == "BCAST" and rec is not None and rec.holds_final(o.fragment, o.version):
-                kinds.append("BCAST_DONE")
-        elif isinstance(o.header, Pull):
-            kinds.append("PULL")
-        else:
-            return False
-        modes = [self.faults.take(k) for k in kinds]
-        mode = next((m for m in modes if m is not None), None)
+        rec = next((i for i in self.state.islands if i.bound and i.peer == o.peer), None)
+        after_done = isinstance(o, OutStream) and rec is not None and rec.holds_final(o.fragment, o.version)
+        mode = self.faults.pick(kinds_of(o, after_done))
         if mode == "fail":  # as if the send failed: the state learns it
             if isinstance(o, OutStream):
                 self._lost(o.peer, o.kind, o.fragment, o.cut)
@@ -332,6 +326,10 @@ class SyncerLoop:
                 if stream.then:  # PULLs queued behind it were lost with it (the state re-pulls)
                     stream.then.clear()
         self._tracked = still
+        for stream, fragment, peer in self._held_behind:
+            if stream.done.is_set() and not stream.ok:  # the held FINALs behind it went with it
+                self._lost(peer, "FINAL", fragment, False)
+        self._held_behind = [e for e in self._held_behind if not e[0].done.is_set()]
 
     def _send(self, outgoing: list[OutStream | Outgoing]) -> None:
         for peer in self.state.take_superseded():  # a new HELLO of the island: its old connection's cut and streams end
@@ -353,6 +351,8 @@ class SyncerLoop:
                 # names; heartbeats and errors never wait.
                 # Sealed when it is sent, so its sequence number follows the stream's.
                 behind.then.append(lambda o=o: self._seal_control(o))
+                if isinstance(o.header, Final):
+                    self._held_behind.append((behind, o.header.fragment, o.peer))
                 continue
             frames = self._seal_control(o)
             try:
