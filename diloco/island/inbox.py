@@ -319,6 +319,8 @@ class Inbox:
                 self._accepted_version = [-1] * self._n_fragments
                 self._bcasts.clear()
                 self._bcast_digests.clear()
+                for f in [g for g in self._final if g not in self._final_taken]:
+                    del self._final[f]  # the old instance's final values: the new one sends its own
                 if self._feedback is not None:
                     self._feedback.reset_all()
             if self._final_ack is not None and h.syncer_id == self._syncer_id:

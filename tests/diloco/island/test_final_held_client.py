@@ -148,14 +148,18 @@ def test_a_held_final_of_an_applied_value_leaves_it_to_the_anchors_or_is_refetch
     assert header is not None and not header.held and torch.equal(values[0][1], v)
 
 
-def test_a_new_syncer_instance_forgets_the_digests() -> None:
+def test_a_new_syncer_instance_forgets_the_digests_and_the_final_values_not_taken() -> None:
     p, s = _joined()
     p.report_step(4, done=True)
     v = _value(4)
     for k in range(2):
         p.handle(_bcast_part(s, 0, 3, v, k), now=1.0)
     assert p.received_digest(0, 3)
+    p.handle(s.frames(_held(0, 3)), now=1.5)
+    p.handle(s.frames(_held(1, 3)), now=1.5)
+    assert p.take_final(0) is not None  # taken (installed): kept, its resends stay dropped
     p.redialing(now=2.0)
     p.hello(GEN + 1)
     p.handle(s.welcome(GEN + 1, syncer_id=99), now=2.1)
     assert p.received_digest(0, 3) == ""
+    assert p.final_received() == 1  # fragment 1's notice was the old instance's: forgotten
