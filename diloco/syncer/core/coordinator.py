@@ -51,7 +51,8 @@ from diloco.syncer.core.robust import Reference
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
 from diloco.syncer.core.work import CommitPart, DigestFragment, FoldPart, InitPart, Result, Work
-from diloco.wire import Error, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, LaneOk, Opened, Push, Shutdown
+from diloco.wire import (Error, Final, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, LaneOk, Opened, Push,
+                         Shutdown)
 
 log = logging.getLogger("diloco.syncer.core")
 
@@ -382,9 +383,7 @@ class Coordinator:
     def on_unsent(self, peer: bytes, fragment: int, version: int) -> None:
         """The loop skipped the BCAST of ``fragment`` at ``version`` to ``peer`` (superseded before
         a part went): no held FINAL may name it."""
-        i = self.sessions.island_of(peer)
-        if i is not None:
-            self.sessions.islands[i].unsent(fragment, version)
+        self.sessions.unsent(peer, fragment, version)
 
     # ------------------------------------------------------------------ handlers
 
@@ -493,8 +492,9 @@ class Coordinator:
         for isl in everyone:  # an evicted island gets the final cut too, but is not waited for
             isl.final_acked = False
             isl.final_digests = ()
-            out.extend(self._finals(isl))
-            held = [f.index for f in self.fragments if isl.holds_final(f.index, f.version)]
+            finals = self._finals(isl)
+            out.extend(finals)
+            held = [o.header.fragment for o in finals if isinstance(o, Outgoing) and isinstance(o.header, Final)]
             if held:
                 log.info("island %d holds fragments %s of the final cut (streamed to it after its done): HELD, "
                          "not sent again", isl.island, spans(held))

@@ -303,6 +303,12 @@ class Sessions:
                 isl.recut()
                 log.warning("island %d silent for %.1fs: declared dead", isl.island, now - isl.last_seen)
 
+    def unsent(self, peer: bytes, fragment: int, version: int) -> None:
+        """The stream of ``fragment`` at ``version`` to ``peer`` was skipped (``IslandRecord.unsent``)."""
+        i = self.island_of(peer)
+        if i is not None:
+            self.islands[i].unsent(fragment, version)
+
     def on_lost(self, peer: bytes, kind: str, fragment: int, cut: bool, now: float, n_fragments: int) -> None:
         """A message to ``peer`` could not be delivered: the island is owed that value stream
         (``kind`` BCAST / FINAL of ``fragment``; ``cut``: part of a cut) and a re-pull of its open

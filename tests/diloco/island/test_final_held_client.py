@@ -39,9 +39,19 @@ def _bcast_part(s: Syncer, f: int, version: int, value: torch.Tensor, k: int) ->
                     [("w", value[lo:hi])])
 
 
+def _bcast(p, s: Syncer, f: int, version: int, value: torch.Tensor, now: float) -> None:
+    for k in range(2):
+        p.handle(_bcast_part(s, f, version, value, k), now=now)
+
+
 def _held(f: int, version: int) -> wire.Final:
     return wire.Final(fragment=f, version=version, n_fragments=2, versions=(version, version), part=0, n_parts=0,
                       held=True)
+
+
+def _full_final(s: Syncer, f: int, version: int, value: torch.Tensor) -> list[list]:
+    return [s.frames(wire.Final(fragment=f, version=version, n_fragments=2, versions=(version, version), part=k,
+                                n_parts=2), [("w", value[k * E : min(N, (k + 1) * E)])]) for k in range(2)]
 
 
 def _value(seed: int) -> torch.Tensor:
@@ -52,8 +62,7 @@ def test_a_held_final_takes_the_parked_bcast_it_names() -> None:
     p, s = _joined()
     p.report_step(4, done=True)
     v = _value(1)
-    for k in range(2):
-        p.handle(_bcast_part(s, 0, 3, v, k), now=1.0)
+    _bcast(p, s, 0, 3, v, now=1.0)
     assert p.received_digest(0, 3) == tensor_digest([("w", v)]) and p.received_digest(0, 2) == ""
     p.handle(s.frames(_held(0, 3)), now=1.1)
     assert p.final_received() == 1 and not p.has_bcasts()
@@ -74,11 +83,6 @@ def test_a_held_final_drops_a_bcast_that_stopped_arriving() -> None:
     header, values = p.take_final(1) or (None, [1])
     assert header is not None and header.held and values == [] and p.received_digest(1, 5) == ""
     assert not p.has_bcasts() and p.stats.refused == 0
-
-
-def _full_final(s: Syncer, f: int, version: int, value: torch.Tensor) -> list[list]:
-    return [s.frames(wire.Final(fragment=f, version=version, n_fragments=2, versions=(version, version), part=k,
-                                n_parts=2), [("w", value[k * E : min(N, (k + 1) * E)])]) for k in range(2)]
 
 
 def test_one_refetch_drops_every_held_final_not_taken_and_stale_notices_until_the_new_session() -> None:
@@ -109,11 +113,9 @@ def test_one_refetch_drops_every_held_final_not_taken_and_stale_notices_until_th
 def test_a_replay_of_the_accepted_version_after_done_is_hashed() -> None:
     p, s = _joined()
     v = _value(5)
-    for k in range(2):  # before our done: not hashed
-        p.handle(_bcast_part(s, 0, 3, v, k), now=1.0)
+    _bcast(p, s, 0, 3, v, now=1.0)  # before our done: not hashed
     p.report_step(4, done=True)
-    for k in range(2):  # the same version again (a redial's replay): the same bytes, now hashed
-        p.handle(_bcast_part(s, 0, 3, v, k), now=1.5)
+    _bcast(p, s, 0, 3, v, now=1.5)  # a replay of that version: the same bytes, now hashed
     assert p.received_digest(0, 3) == tensor_digest([("w", v)])
     assert [b.version for b in p.take_bcasts()] == [3]  # parked once
 
@@ -121,12 +123,10 @@ def test_a_replay_of_the_accepted_version_after_done_is_hashed() -> None:
 def test_a_held_final_of_an_applied_value_leaves_it_to_the_anchors_or_is_refetched() -> None:
     p, s = _joined()
     v = _value(3)
-    for k in range(2):  # before our done: not hashed
-        p.handle(_bcast_part(s, 0, 2, v, k), now=1.0)
+    _bcast(p, s, 0, 2, v, now=1.0)  # before our done: not hashed
     assert p.received_digest(0, 2) == ""
     p.report_step(4, done=True)
-    for k in range(2):
-        p.handle(_bcast_part(s, 0, 3, v + 1, k), now=1.5)
+    _bcast(p, s, 0, 3, v + 1, now=1.5)
     assert [b.version for b in p.take_bcasts()] == [3]  # the training thread took it (staged)
     p.handle(s.frames(_held(0, 3)), now=2.0)
     header, values = p.take_final(0) or (None, [1])
@@ -140,10 +140,8 @@ def test_a_held_final_of_an_applied_value_leaves_it_to_the_anchors_or_is_refetch
     assert (p.take_final(1) or (None, [1]))[1] == []
     p.refetch_final(1)
     assert p.final_received() == 1
-    final = wire.Final(fragment=1, version=3, n_fragments=2, versions=(3, 3), part=0, n_parts=2)
-    p.handle(s.frames(final, [("w", v[:E])]), now=2.3)
-    p.handle(s.frames(wire.Final(fragment=1, version=3, n_fragments=2, versions=(3, 3), part=1, n_parts=2),
-                      [("w", v[E:])]), now=2.3)
+    for frames in _full_final(s, 1, 3, v):
+        p.handle(frames, now=2.3)
     header, values = p.take_final(1) or (None, [])
     assert header is not None and not header.held and torch.equal(values[0][1], v)
 
@@ -152,8 +150,7 @@ def test_a_new_syncer_instance_forgets_the_digests_and_the_final_values_not_take
     p, s = _joined()
     p.report_step(4, done=True)
     v = _value(4)
-    for k in range(2):
-        p.handle(_bcast_part(s, 0, 3, v, k), now=1.0)
+    _bcast(p, s, 0, 3, v, now=1.0)
     assert p.received_digest(0, 3)
     p.handle(s.frames(_held(0, 3)), now=1.5)
     p.handle(s.frames(_held(1, 3)), now=1.5)
