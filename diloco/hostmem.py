@@ -157,27 +157,6 @@ def release_pages(t: torch.Tensor, lo: int, hi: int) -> int:
     return last - first
 
 
-MADV_POPULATE_WRITE = 23
-
-
-def populate_pages(t: torch.Tensor, lo: int, hi: int) -> int:
-    """Fault in, writable, the pages lying wholly inside elements ``[lo, hi)`` of the flat host buffer
-    ``t`` (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+), without writing them: bytes another thread
-    wrote there meanwhile stay as written. Returns the bytes populated (0 where it cannot: no such
-    advice on this kernel, or not Linux/glibc). The call releases the GIL."""
-    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
-    if madvise is None:
-        return 0
-    size = t.element_size()
-    start = t.data_ptr() + lo * size
-    end = t.data_ptr() + hi * size
-    first = -(-start // PAGE_BYTES) * PAGE_BYTES
-    last = end // PAGE_BYTES * PAGE_BYTES
-    if last <= first or madvise(first, last - first, MADV_POPULATE_WRITE) != 0:
-        return 0
-    return last - first
-
-
 FAULT_IN_THREADS = 8
 """Most threads :func:`zero_in_parallel` uses (never more than the CPUs this process may run on)."""
 _FAULT_SLICE_ELEMS = 16 << 20

@@ -32,7 +32,7 @@ for job in "$@"; do
     gputest) install; (cd "$REPO" && python3 -m pytest -q -m gpu -p no:cacheprovider tests/diloco/island/test_slots.py \
                tests/diloco/island/test_delta_source.py tests/diloco/test_quant.py 2>&1 | tail -5) ;;
     recv) install; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 1; python3 "$REPO/scripts/probe_recv.py" --mib 4096 --islands 2 ;;
-    init) install; lines=5; [ -n "${TRACE:-}" ] && lines=27  # TRACE=1: per-part timelines (scripts/trace_init.py)
+    init) install; lines=4; [ -n "${TRACE:-}" ] && lines=26  # TRACE=1: per-part timelines (scripts/trace_init.py)
        # part MiB : data threads : client window (0: the code's) : INIT lanes [: TRACE_VARIANT, with TRACE=1]
        for v in ${INIT_VARIANTS:-16:4:0:1 16:4:0:0}; do
          IFS=: read -r mib threads window lanes tvariant <<<"$v"

@@ -191,10 +191,6 @@ def main() -> int:
         print(f"INIT {nbytes / 2**30:.2f} GiB in {a.fragments} fragments, window {client_mod.WINDOW}, "
               f"syncer {a.syncer_args or '(defaults)'}: sent {sent_s:.2f}s ({nbytes / sent_s / 1e9:.2f} GB/s), "
               f"cut at {cut_s:.2f}s")
-        faulted = [float(x) for x in re.findall(r"faulted in ahead of its stream: \d+ MiB in ([\d.]+) s",
-                                                (tmp / "syncer.log").read_text())]
-        print(f"  syncer: {len(faulted)} INIT values faulted in ahead of their stream, "
-              f"{max(faulted, default=0.0):.2f} s the longest")
         print("  syncer threads during INIT:", ", ".join(busy(s0, s1, sent_s)))
         print("  island threads during INIT:", ", ".join(busy(c0, c1, sent_s)))
         if trainer is not None:
@@ -209,7 +205,7 @@ def main() -> int:
             print(trace_init.report(a.trace))
             traced = trace_init.counts(a.trace)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
-                          "cut_s": round(cut_s, 3), "initialised": initialised, "prefaulted": len(faulted), "window": client_mod.WINDOW,
+                          "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
                           "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments,
                           **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {}),
                           **({"traced": traced} if traced else {})}))

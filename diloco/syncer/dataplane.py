@@ -63,9 +63,8 @@ from diloco.digest import tensor_digest
 from diloco.hostmem import release_pages, trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
-from diloco.syncer.core.work import (CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Prefault, Result,
-                                     RoundSum, Work, commit_span)
-from diloco.syncer.prefault import Prefaulter, fault_in
+from diloco.syncer.core.work import (CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work,
+                                     commit_span)
 from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
 from diloco.wire.chunks import wire_bytes
 from diloco.wire.parts import FragmentLayout
@@ -274,8 +273,6 @@ class DataPlane:
         ]
         for t in self._workers:
             t.start()
-        self.prefault = Prefaulter(initializer=_yield_to_the_loop)
-        """Fresh INIT values faulted in ahead of their stream (``Prefault`` items go there)."""
 
     @property
     def backlog_bytes(self) -> int:
@@ -283,9 +280,6 @@ class DataPlane:
         return self._pending_bytes
 
     def submit(self, work: Work) -> None:
-        if isinstance(work, Prefault):
-            self.prefault.submit(work)  # no result, no backlog: it holds no received bytes
-            return
         commit = isinstance(work, CommitPart)
         with self._lock:
             self._pending += 1
@@ -306,7 +300,6 @@ class DataPlane:
             q.put(None)
         for t in self._workers:
             t.join(timeout=10)
-        self.prefault.close()
 
     def _run(self, q: queue.SimpleQueue[Work | None], index: int) -> None:
         """Worker loop over ``q``, the queue of worker ``index`` (data workers first, then commit workers)."""
@@ -401,8 +394,6 @@ def run_work(work: Work, scratch: Scratch | None = None) -> Result:
             result.parts = commit_part(work, scratch)
         elif isinstance(work, DigestFragment):
             result.digest = tensor_digest(work.layout.flat_views(work.value))
-        elif isinstance(work, Prefault):
-            fault_in(work)  # inline (tests); the pool's ``submit`` hands these to its prefaulter
         else:
             result.payloads = {work.dtype: encode_part_payload(work.value, work.layout, work.part, work.part_elems,
                                                                work.dtype, work.seed)}

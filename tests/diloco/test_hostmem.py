@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from diloco.hostmem import _FAULT_SLICE_ELEMS, PAGE_BYTES, populate_pages, sub_in_parallel, zero_in_parallel
+from diloco.hostmem import _FAULT_SLICE_ELEMS, sub_in_parallel, zero_in_parallel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,24 +31,3 @@ def test_zero_in_parallel_zeroes_every_slice() -> None:
     ts = [torch.full((_FAULT_SLICE_ELEMS + 7,), 3.0), torch.full((11,), -1.0)]
     zero_in_parallel(ts)
     assert all(int(t.count_nonzero()) == 0 for t in ts)
-
-
-def _rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
-def test_populate_pages_maps_fresh_pages_and_keeps_what_was_written() -> None:
-    n = 16 << 20  # 64 MiB of fp32, fresh (its own mapping)
-    t = torch.from_numpy(np.empty(n, dtype=np.float32))
-    t[: n // 8] = 2.5  # written before: must read the same afterwards
-    before = _rss_bytes()
-    got = populate_pages(t, 0, n)
-    if got == 0:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert n * 4 - 2 * PAGE_BYTES <= got <= n * 4  # whole pages inside the buffer only
-    assert _rss_bytes() - before >= 0.8 * (n * 4 - n // 2)  # the unwritten 7/8 came in now
-    assert bool((t[: n // 8] == 2.5).all())
-    assert populate_pages(t, 5, 6) == 0  # no whole page inside: nothing

@@ -22,7 +22,7 @@ from diloco.syncer.core.records import FragmentRecord, Outgoing
 from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
-from diloco.syncer.core.work import InitPart, Prefault, Result
+from diloco.syncer.core.work import InitPart, Result
 from diloco.wire import PROTOCOL_VERSION, Error, FragmentLayout, Hello, Init, Opened, Welcome
 
 log = logging.getLogger("diloco.syncer.core")
@@ -76,8 +76,6 @@ class Admission:
                     r.members = r.members | {h.island}
         rec = self.sessions.bind(peer, h, now)
         need_init = h.island == 0 and not self.book.initialised
-        if need_init:
-            self._prepare_init()
         out.append(
             Outgoing(
                 peer,
@@ -102,22 +100,6 @@ class Admission:
             log.info("island %d rejoined while finalizing: FINAL again", h.island)
             rec.final_digests = ()
             out.extend(final(rec, frag, self.book.versions()) for frag in self.book.fragments)
-
-    def _prepare_init(self) -> None:
-        """Allocate the value of every fragment INIT will fill (sizes as the HELLO that fixed the
-        layout declared them) and queue it to be faulted in ahead of its stream, in fragment order:
-        the values the stream would allocate anyway, a few seconds earlier (no more memory)."""
-        declared = self.book.declared_numel
-        new = 0
-        for frag in self.book.fragments:
-            if (frag.initialised or frag.value is not None or frag.init_buffer is not None
-                    or frag.index >= len(declared)):
-                continue
-            frag.init_buffer = self.book.fresh(declared[frag.index], "value")
-            self.journal.work.append(Prefault(frag.index, frag.init_buffer))
-            new += declared[frag.index] * 4
-        if new:
-            log.info("INIT values allocated: %.2f GiB, faulted in ahead of the stream", new / 2**30)
 
     def _holds_init(self, frag: FragmentRecord) -> bool:
         """Whether ``frag`` needs no more INIT: it has its value, or every part of it was accepted
@@ -169,8 +151,7 @@ class Admission:
         if h.part == 0:
             # (Re)start of the stream: a redialed island 0 streams INIT again from part 0.
             frag.schema, frag.layout = schema, layout
-            ready, frag.init_buffer = frag.init_buffer, None
-            frag.value = ready if ready is not None and ready.numel() == layout.numel else self.book.fresh(layout.numel, "value")
+            frag.value = self.book.fresh(layout.numel, "value")
             frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
             frag.value_absmax = [float("inf")] * layout.n_parts(E)
             frag.init_next_part = frag.init_done_parts = 0

@@ -161,9 +161,6 @@ class FragmentRecord:
     initialised: bool = False
     init_next_part: int = 0
     """INIT parts accepted so far (they must arrive in order)."""
-    init_buffer: torch.Tensor | None = None
-    """A fresh value allocated when island 0's HELLO asked for INIT and being faulted in ahead of the
-    stream (``syncer/prefault.py``); the stream's part 0 takes it (a restarted stream gets a new one)."""
     init_done_parts: int = 0
     """INIT parts copied in by the data plane."""
     committing: bool = False

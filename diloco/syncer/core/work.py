@@ -19,7 +19,7 @@ from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Prefault", "Result", "RoundSum", "Work"]
+__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
 
 
 @dataclass
@@ -154,20 +154,7 @@ class DigestFragment:
         return self.fragment
 
 
-@dataclass
-class Prefault:
-    """Fault in the pages of a fresh INIT value before its stream's parts are copied in
-    (``syncer/prefault.py``): no bytes are written and no result comes back."""
-
-    fragment: int
-    value: torch.Tensor
-
-    @property
-    def part(self) -> int:
-        return self.fragment
-
-
-Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment | Prefault
+Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment
 
 
 @dataclass
