@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | fault | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | numa | fault | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (DIGEST=0 in the environment: island jobs skip the end-to-end digest files, for whole-run timing)
 # (an island job may carry a tag: 2.7b_a, 2.7b-np_a, ... each keep their results apart; a tag holding
 # "one", 2.7b_one / 2.7b-np_one, runs one island instead of two)
@@ -43,6 +43,16 @@ for job in "$@"; do
            | tail -"$lines" | sed "s/^/[$v] /" | tee -a "$WORKDIR/init.txt"
          [ -n "${SPY:-}" ] && for f in "$WORKDIR/spy_${v//:/_}"/*.txt; do python3 "$REPO/scripts/spy_summary.py" "$f" --leaves 30; done
        done ;;
+    numa) install  # the host's NUMA nodes; with two, INIT with island and syncer each on its own node (as two hosts)
+       lscpu | grep -i "model name\|socket\|numa\|L3"; ls -d /sys/devices/system/node/node* 2>/dev/null
+       nodes=$(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l)
+       if [ "$nodes" -ge 2 ]; then
+         a=$(cat /sys/devices/system/node/node0/cpulist); b=$(cat /sys/devices/system/node/node1/cpulist)
+         for v in "" "--island-cpus $a --syncer-cpus $b" "" "--island-cpus $a --syncer-cpus $b"; do
+           PYTHONPATH=$REPO timeout 200 python3 "$REPO/scripts/probe_init.py" --gib 2.5 $v 2>&1 | tail -1 \
+             | tee -a "$WORKDIR/numa.txt"
+         done
+       fi ;;
     fault) install; python3 "$REPO/scripts/probe_fault.py" --gib 4 2>&1 | tail -12 ;;
     zmqinit) install  # INIT's framing over bare zmq: the transport alone, then a syncer-like consumer
        IFS=, read -ra variants <<<"${ZMQ_INIT_VARIANTS:---workers 0,--workers 4,--workers 4 --touched,--workers 4 --rcvhwm 16,--workers 4 --window 8}"

@@ -91,6 +91,15 @@ class Trainer:
         return self.ops / (time.monotonic() - self._t0)
 
 
+def cpu_list(spec: str) -> set[int]:
+    """CPUs of a list such as ``0-7,12`` (empty: none given)."""
+    cpus: set[int] = set()
+    for item in filter(None, spec.split(",")):
+        lo, _, hi = item.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=2.5)
@@ -107,11 +116,19 @@ def main() -> int:
                          "during INIT over their rate alone (train_rate_ratio) is what streaming costs training")
     ap.add_argument("--no-claims", action="store_true",
                     help="claim nothing in HELLO: the syncer sends the cut back while INIT streams")
+    ap.add_argument("--island-cpus", default="",
+                    help="run this process (the island: its values, client and zmq threads) on these CPUs, "
+                         "e.g. 0-7 (default: all); with --syncer-cpus on another NUMA node, each side's memory "
+                         "is its own, as on two hosts")
+    ap.add_argument("--syncer-cpus", default="", help="run the syncer on these CPUs, e.g. 8-15 (default: all)")
     ap.add_argument("--trace", type=Path, default=None,
                     help="record per-part timelines of the client and the syncer into this folder and "
                          "print where the parts' time went (scripts/trace_init.py)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    island_cpus, syncer_cpus = cpu_list(a.island_cpus), cpu_list(a.syncer_cpus)
+    if island_cpus:  # before any value is touched or thread started: they inherit it, pages come local
+        os.sched_setaffinity(0, island_cpus)
     torch.set_num_threads(1)
     if a.smoke:
         a.gib, a.fragments, a.tensors = 1 / 128, 2, 3
@@ -139,7 +156,8 @@ def main() -> int:
            "--sync-every", "1", "--total-steps", "1", "--checkpoint-every", "0", "--join-timeout-s", "0",
            "--dead-after-s", "600", "--final-timeout-s", "60", *a.syncer_args.split()]
     with open(tmp / "syncer.log", "w") as log_f:
-        syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env)
+        syncer = subprocess.Popen(cmd, stderr=log_f, stdout=subprocess.DEVNULL, env=env,
+                                  preexec_fn=(lambda: os.sched_setaffinity(0, syncer_cpus)) if syncer_cpus else None)
     client: SyncClient | None = None
     try:
         deadline = time.monotonic() + 60
@@ -207,6 +225,7 @@ def main() -> int:
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
                           "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
                           "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments,
+                          "island_cpus": a.island_cpus, "syncer_cpus": a.syncer_cpus,
                           **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {}),
                           **({"traced": traced} if traced else {})}))
         return 0
