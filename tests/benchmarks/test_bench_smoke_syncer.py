@@ -63,8 +63,11 @@ def _probe_json(script: str, *extra: str) -> dict:
 def test_probe_init_smoke(tmp_path: Path) -> None:
     """scripts/probe_init.py (the INIT throughput probe of the device runs) streams every fragment
     into a real syncer, which verifies and holds each one; with ``--trace`` both sides' timelines
-    (scripts/trace_init.py) saw every part."""
-    figures = _probe_json("probe_init.py", "--trace", str(tmp_path / "trace"))
+    (scripts/trace_init.py) saw every part. Both sides pinned to CPUs of our own (the NUMA split of
+    the device's ``numa`` job) still deliver every fragment."""
+    cpu = str(min(os.sched_getaffinity(0)))
+    figures = _probe_json("probe_init.py", "--trace", str(tmp_path / "trace"), "--island-cpus", cpu, "--syncer-cpus", cpu)
+    assert figures["island_cpus"] == figures["syncer_cpus"] == cpu
     assert figures["initialised"] == figures["fragments"] == 2
     assert math.isfinite(figures["init_gbps"]) and figures["init_gbps"] > 0
     parts = figures["traced"]
