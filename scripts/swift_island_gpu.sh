@@ -10,7 +10,9 @@
 #               /tmp/yeto_swift_out); the run itself works in $WORK (default /tmp/yeto_swift).
 # Knobs (environment): STEPS (40), SYNC_EVERY (8), FRAGMENTS (2), SYNC_PORT (5599), MODEL_ARGS (tiny),
 #   SYNCER_ARGS (extra yeto-syncer flags), SYNCER_ENV (extra VAR=value pairs for the syncer),
-#   ISLAND_ENV (extra VAR=value pairs for both islands),
+#   ISLAND_ENV (extra VAR=value pairs for both islands), ISLAND_ARGS (extra `megatron pt` flags for both
+#   islands, with and without the plugin: e.g. "--optimizer sgd --sgd_momentum 0", two 2.7B islands in
+#   an H100's memory),
 #   ISLAND_TIMEOUT_S (420), PY (python3), SKIP_INSTALL=1 to reuse an installed environment,
 #   DIGEST=0 to skip the islands' end-to-end digest files (whole-run timing of what a user runs),
 #   SYNCER_PYTHONPATH (a checkout whose syncer runs instead of this one's: A/B runs),
@@ -60,7 +62,7 @@ export SWIFT_TE_SHIM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 PLUGIN=$(cd "$REPO" && $PY -m swift_plugin)
 TE_PLUGIN="$REPO/scripts/swift/te_local_spec_plugin.py"
-say "plugin $PLUGIN; steps $STEPS, sync every $SYNC_EVERY, fragments $FRAGMENTS"
+say "plugin $PLUGIN; steps $STEPS, sync every $SYNC_EVERY, fragments $FRAGMENTS, islands $ISLANDS${ISLAND_ARGS:+, island flags: $ISLAND_ARGS}"
 rm -rf "$WORK/ckpt" "$WORK"/steps-*.jsonl "$WORK"/digest-*.json "$WORK/events.jsonl" "$WORK/runs"
 
 # --- 3. the syncer -------------------------------------------------------------------------
@@ -94,7 +96,7 @@ island() {  # island ID MASTER_PORT
     --bias_activation_fusion false --cross_entropy_loss_fusion false --attention_backend local \
     --logging_steps 5 --save_steps 100000 --save_safetensors false --no_save_optim true --no_save_rng true \
     --check_model false --dataloader_num_workers 0 --dataset_num_proc 1 \
-    --output_dir "$WORK/runs/island$1" >"$WORK/island$1.log" 2>&1
+    --output_dir "$WORK/runs/island$1" ${ISLAND_ARGS:-} >"$WORK/island$1.log" 2>&1
   local rc=$?
   echo "$(( $(date +%s%N) / 1000000 - T_START_MS ))" >"$WORK/wall-$1.ms"
   return $rc
