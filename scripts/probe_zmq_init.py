@@ -12,7 +12,9 @@ message ``k`` to worker ``k mod workers``, which digests each chunk (xxh3) and c
 preallocated value, while the loop stops reading once two messages per worker are unfinished.
 ``--streams N`` splits the parts over N sender processes, one connection each (part ``k`` on
 stream ``k mod N``; the receiver gets N zmq I/O threads); ``--sockbuf-mib`` sets ``SO_SNDBUF``
-and ``SO_RCVBUF`` on both ends (0: the kernel's autotuning). Nothing of ``diloco`` runs, so ``scripts/probe_init.py``'s figure over this one is our own cost.
+and ``SO_RCVBUF`` on both ends (0: the kernel's autotuning). ``--adopt``: the workers digest each
+chunk and keep its frame as the value's storage (no copy, no fresh value: zero-copy INIT's ceiling);
+``--syncer-malloc`` applies the syncer's glibc thresholds (``hostmem.tune_syncer_malloc``). Nothing of ``diloco`` runs, so ``scripts/probe_init.py``'s figure over this one is our own cost.
 The last line is one JSON object (``gbps``; ``bytes_ok``: every byte arrived in place).
 """
 
@@ -66,7 +68,8 @@ def _sender(addr: str, total: int, part: int, window: int, stream: int = 0, stre
     ctx.term()
 
 
-def _consume(value: np.ndarray, jobs: queue.SimpleQueue, done: queue.SimpleQueue, wake_w: int) -> None:
+def _consume(value: np.ndarray | None, kept: dict, jobs: queue.SimpleQueue, done: queue.SimpleQueue,
+             wake_w: int) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -75,7 +78,10 @@ def _consume(value: np.ndarray, jobs: queue.SimpleQueue, done: queue.SimpleQueue
         for f in frames:
             view = memoryview(f)
             xxhash.xxh3_64_intdigest(view)
-            value[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            if value is None:
+                kept[offset] = f  # adopted: the frame is the value's storage
+            else:
+                value[offset : offset + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
             offset += view.nbytes
         done.put(1)
         os.write(wake_w, b"x")
@@ -92,25 +98,32 @@ def main() -> int:
                     help="fault the value's pages in first (the syncer's value is fresh: its first touch is INIT's)")
     ap.add_argument("--streams", type=int, default=1, help="sender processes, one connection each")
     ap.add_argument("--sockbuf-mib", type=int, default=0, help="SO_SNDBUF / SO_RCVBUF on both ends (0: kernel's)")
+    ap.add_argument("--adopt", action="store_true", help="keep each digested frame as the value (no copy)")
+    ap.add_argument("--syncer-malloc", action="store_true", help="the syncer's glibc heap thresholds")
     ap.add_argument("--smoke", action="store_true", help="32 MiB: checks it runs (the suite)")
     a = ap.parse_args()
     if a.smoke:
         a.gib = 1 / 32
     part, total = a.part_mib << 20, int(a.gib * 2**30) // 4 * 4
+    if a.syncer_malloc:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from diloco.hostmem import tune_syncer_malloc
+        tune_syncer_malloc()
     ctx = zmq.Context(io_threads=a.streams)
     r = ctx.socket(zmq.ROUTER)
     r.setsockopt(zmq.RCVHWM, a.rcvhwm)
     if a.sockbuf_mib:
         r.setsockopt(zmq.RCVBUF, a.sockbuf_mib << 20)
     port = r.bind_to_random_port("tcp://127.0.0.1")
-    value = np.empty(total, dtype=np.uint8)
-    if a.touched:
+    value = None if a.adopt else np.empty(total, dtype=np.uint8)
+    kept: dict[int, zmq.Frame] = {}
+    if a.touched and value is not None:
         value.fill(0)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     jobs = [queue.SimpleQueue() for _ in range(a.workers)]
     done: queue.SimpleQueue = queue.SimpleQueue()
-    workers = [threading.Thread(target=_consume, args=(value, q, done, wake_w), daemon=True) for q in jobs]
+    workers = [threading.Thread(target=_consume, args=(value, kept, q, done, wake_w), daemon=True) for q in jobs]
     for w in workers:
         w.start()
     senders = [mp.get_context("spawn").Process(target=_sender, args=(f"tcp://127.0.0.1:{port}", total, part, a.window,
@@ -162,14 +175,19 @@ def main() -> int:
     for sender in senders:
         sender.join(timeout=60)
     expected = np.arange(total // 4, dtype=np.float32).view(np.uint8)
-    ok = received == total and (a.workers == 0 or bool(np.array_equal(value, expected)))
+    if a.workers and value is None:  # adopted frames: every byte in place, frame by frame
+        ok = received == total and sum(len(f) for f in kept.values()) == total and all(
+            np.array_equal(np.frombuffer(memoryview(f), dtype=np.uint8), expected[o : o + len(f)])
+            for o, f in kept.items())
+    else:
+        ok = received == total and (a.workers == 0 or bool(np.array_equal(value, expected)))
     gbps = total / max(seconds, 1e-9) / 1e9
     print(f"{total / 2**30:.2f} GiB in {part >> 20} MiB messages, window {a.window}, RCVHWM {a.rcvhwm}, "
-          f"{a.workers or 'no'} workers, {a.streams} streams, sockbuf {a.sockbuf_mib} MiB: {seconds:.2f}s "
+          f"{a.workers or 'no'} workers, {a.streams} streams, sockbuf {a.sockbuf_mib} MiB{', adopted' if a.adopt else ''}: {seconds:.2f}s "
           f"({gbps:.2f} GB/s)")
     print(json.dumps({"gbps": round(gbps, 3), "seconds": round(seconds, 3), "bytes_ok": ok, "window": a.window,
                       "rcvhwm": a.rcvhwm, "workers": a.workers, "part_mib": a.part_mib, "gib": a.gib,
-                      "streams": a.streams, "sockbuf_mib": a.sockbuf_mib}))
+                      "streams": a.streams, "sockbuf_mib": a.sockbuf_mib, "adopt": a.adopt}))
     r.close(linger=0)
     ctx.term()
     return 0 if ok else 1
