@@ -22,7 +22,7 @@ from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.digest import FragmentDigest
 from diloco.island.assembly import Assembly, ReceiveTarget
-from diloco.island.effects import BACKOFF_START_S, CHUNK_PARALLEL, Effects
+from diloco.island.effects import BACKOFF_START_S, Effects, chunk_parallel
 from diloco.island.orders import PendingBcast
 from diloco.protocol import refusals, session
 from diloco.wire.schema import ITEMSIZE
@@ -268,7 +268,7 @@ class Inbox:
         if asm.views is not None:
             lo, hi = layout.part_range(h.part, self._part_elems)
             dests = [asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)]  # check_part: same segments
-            opened.copy_into(dests, parallel=CHUNK_PARALLEL)
+            opened.copy_into(dests, parallel=chunk_parallel(h))
             if asm.digest is not None:
                 for piece in dests:  # stream order, while the part is still in cache
                     asm.digest.update(piece)

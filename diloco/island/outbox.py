@@ -31,7 +31,7 @@ from diloco import quant, wire
 from diloco.config import IslandConfig
 from diloco.protocol import session
 from diloco.island.delta_source import DeltaSource, PartRing
-from diloco.island.effects import CHUNK_PARALLEL
+from diloco.island.effects import CHUNK_PARALLEL, chunk_parallel
 from diloco.wire.pacing import Stream
 
 if TYPE_CHECKING:
@@ -185,7 +185,8 @@ class Outbox:
                 payload = self._quantized_part(out.header.fragment, layout, out.tensors, k)  # frames never view the ring
             else:
                 segs, buf = _part_of(out.tensors, layout, k, E, self.ring)
-                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed, parallel=CHUNK_PARALLEL)
+                payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed,
+                                               parallel=chunk_parallel(out.header))
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             made[0], made[1], made[2] = k, payload, buf
