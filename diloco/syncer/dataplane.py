@@ -11,6 +11,8 @@ payload work to this pool as :class:`Work` items:
 * :class:`CommitPart`: the outer Nesterov step on a span of parts (32 MiB or one part),
   written out of place into the sum buffer (which becomes the next published value),
   and the fp32 broadcast payload of each part (zero-copy views and their digests);
+* :class:`DigestSpan`: hash the next span of an INIT value for its streamed digest
+  (``core/initdigest.py``), and :class:`DigestFragment`: hash a whole value;
 * :class:`EncodePart`: encode one part of a value that has no payload yet (an fp32 cut
   after a resume; every bf16 part, on demand as its stream reaches it).
 
@@ -18,7 +20,8 @@ Ordering: work on part ``k`` runs on worker ``k mod threads``, whose queue is
 FIFO.  So the folds of one part run in the order the loop dispatched them (the
 fold order the event log records, which the numpy reference replays).  An INIT part needs no
 order (each writes its own range of a value no other work reads until the fragment is
-initialised; a restarted stream writes a fresh value), so it goes to the worker with the least
+initialised, except the span of the streamed digest the core hands out only once every part of it is
+in; a restarted stream writes a fresh value), so it (and that span) goes to the worker with the least
 work queued, data and commit workers alike (no commit runs before the fragments hold values, so
 the commit workers are idle during INIT): parts of two INIT streams that share a lane would
 otherwise queue behind each other while other workers idle, and the backlog cap would stop the
@@ -63,8 +66,8 @@ from diloco.digest import tensor_digest
 from diloco.hostmem import release_pages, trim_heap
 from diloco.syncer.core.kernels import BLOCK, Scratch, absmax, fold_chunk, magnitude_bound, outer_step
 from diloco.syncer.core.robust import check_chunk, clip_scale, finish_part
-from diloco.syncer.core.work import (CommitPart, DigestFragment, EncodePart, FoldPart, InitPart, Result, RoundSum, Work,
-                                     commit_span)
+from diloco.syncer.core.work import (CommitPart, DigestFragment, DigestSpan, EncodePart, FoldPart, InitPart, Result,
+                                     RoundSum, Work, commit_span)
 from diloco.wire import DEFAULT_CHUNK_BYTES, Opened, Payload, TensorMeta, WireError, encode_payload
 from diloco.wire.chunks import wire_bytes
 from diloco.wire.parts import FragmentLayout
@@ -285,7 +288,7 @@ class DataPlane:
             self._pending += 1
             self._pending_bytes += _received_bytes(work)
             self._commits += commit
-            if isinstance(work, InitPart):
+            if isinstance(work, (InitPart, DigestSpan)):
                 worker = self._queued.index(min(self._queued))
             else:
                 worker = lane(work) % self.threads + (self.threads if commit else 0)
@@ -394,6 +397,10 @@ def run_work(work: Work, scratch: Scratch | None = None) -> Result:
             result.parts = commit_part(work, scratch)
         elif isinstance(work, DigestFragment):
             result.digest = tensor_digest(work.layout.flat_views(work.value))
+        elif isinstance(work, DigestSpan):
+            work.hasher.update(work.value[work.lo : work.hi])
+            if work.hasher.position == work.hasher.numel:
+                result.digest = work.hasher.hexdigest()
         else:
             result.payloads = {work.dtype: encode_part_payload(work.value, work.layout, work.part, work.part_elems,
                                                                work.dtype, work.seed)}
@@ -412,7 +419,7 @@ def default_threads() -> int:
 
 
 __all__ = [
-    "RoundSum", "FoldPart", "InitPart", "CommitPart", "EncodePart", "DigestFragment", "Work", "Result", "DataPlane", "run_work",
+    "RoundSum", "FoldPart", "InitPart", "CommitPart", "EncodePart", "DigestFragment", "DigestSpan", "Work", "Result", "DataPlane", "run_work",
     "default_threads", "encode_part_payload", "COMMIT_BLOCK",
 ]
 

@@ -22,10 +22,15 @@ from diloco.syncer.core.records import FragmentRecord, Outgoing
 from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
-from diloco.syncer.core.work import InitPart, Result
+from diloco.syncer.core.initdigest import InitDigest
+from diloco.syncer.core.work import DigestSpan, InitPart, Result
 from diloco.wire import PROTOCOL_VERSION, Error, FragmentLayout, Hello, Init, Opened, Welcome
 
 log = logging.getLogger("diloco.syncer.core")
+
+SPAN_ELEMS = 16 << 20
+"""Elements (64 MiB of fp32) an INIT value's streamed digest hashes per work item at least (the
+stream's rest may be less): few work items and results, and still within cache of the copies."""
 
 
 class Admission:
@@ -155,7 +160,9 @@ class Admission:
             frag.momentum = None  # allocated by the first commit that needs it (--outer-momentum > 0)
             frag.value_absmax = [float("inf")] * layout.n_parts(E)
             frag.init_next_part = frag.init_done_parts = 0
-            frag.value_digest, frag.digesting = None, -1
+            # Its digest streams with it (a claim then waits for that, not for a pass of its own).
+            frag.init_digest = InitDigest.of(layout, layout.n_parts(E))
+            frag.value_digest, frag.digesting = None, 0
         assert frag.value is not None
         lo, _hi = layout.part_range(h.part, E)
         frag.init_next_part += 1
@@ -171,13 +178,17 @@ class Admission:
             self.journal.refusals += 1
             log.warning("INIT part %d of fragment %d refused: %s; island 0 must stream INIT again",
                         work.part, work.fragment, result.error)
-            frag.value = frag.momentum = None
+            frag.value = frag.momentum = frag.init_digest = None
             frag.init_next_part = frag.init_done_parts = 0
+            frag.digesting = -1
             out.append(Outgoing(self.sessions.islands[0].peer, Error(code="bad_init", reason=result.error)))
             return
         frag.init_done_parts += 1
         frag.value_absmax[work.part] = result.absmax[0]
         assert frag.layout is not None
+        if frag.init_digest is not None:
+            frag.init_digest.copied_part(work.part)
+            self._digest_next(frag)
         if frag.init_done_parts == frag.layout.n_parts(self.book.part_elems):
             frag.initialised = True
             if self.book.initialised:
@@ -185,3 +196,47 @@ class Admission:
             frag.version = 0
             log.info("fragment %d initialised by island 0: %d tensors, %.1f MiB", work.fragment, len(frag.schema),
                      frag.layout.numel * 4 / 2**20)
+
+    def on_init_digested(self, work: DigestSpan, result: Result) -> None:
+        """A span of an INIT value was hashed: hand out the next one, or keep the finished digest as
+        the value's (version 0). A failed span abandons the streamed digest: a claim then has the
+        whole value hashed (``Cuts``)."""
+        frag = self.book.fragments[work.fragment]
+        state = frag.init_digest
+        if state is None or state.hasher is not work.hasher or frag.value is not work.value:
+            return  # a restarted INIT stream, or the value moved on
+        if result.error:
+            log.error("streamed digest of INIT fragment %d failed (a claim of it has the value hashed): %s",
+                      work.fragment, result.error)
+            self._abandon_digest(frag)
+            return
+        state.hashed_to(work.end)
+        if result.digest is not None:
+            frag.init_digest, frag.value_digest = None, (0, result.digest)
+            if frag.digesting == 0:
+                frag.digesting = -1
+            return
+        self._digest_next(frag)
+
+    def _digest_next(self, frag: FragmentRecord) -> None:
+        """Queue the next span of ``frag``'s streamed INIT digest, if one is ready and none is out.
+        Only version 0 is streamed: a value a commit replaced (or is replacing) is not hashed here."""
+        state = frag.init_digest
+        assert state is not None
+        if frag.version != 0 or frag.committing or frag.consuming:
+            self._abandon_digest(frag)
+            return
+        span = state.next_span(max(1, SPAN_ELEMS // self.book.part_elems))
+        if span is None:
+            return
+        assert frag.value is not None and frag.layout is not None
+        E = self.book.part_elems
+        lo, _ = frag.layout.part_range(span[0], E)
+        _, hi = frag.layout.part_range(span[1] - 1, E)
+        self.journal.work.append(DigestSpan(frag.index, frag.value, lo, hi, span[1], state.hasher))
+
+    @staticmethod
+    def _abandon_digest(frag: FragmentRecord) -> None:
+        frag.init_digest = None
+        if frag.digesting == 0:
+            frag.digesting = -1

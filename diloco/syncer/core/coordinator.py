@@ -50,7 +50,7 @@ from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.robust import Reference
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
-from diloco.syncer.core.work import CommitPart, DigestFragment, FoldPart, InitPart, Result, Work
+from diloco.syncer.core.work import CommitPart, DigestFragment, DigestSpan, FoldPart, InitPart, Result, Work
 from diloco.wire import (Error, Final, FinalAck, Heartbeat, Hello, HostBufferPool, Init, Lane, LaneOk, Opened, Push,
                          Shutdown)
 
@@ -342,6 +342,8 @@ class Coordinator:
             self.merge.on_folded(work, result, now, out)
         elif isinstance(work, InitPart):
             self.admission.on_init_copied(work, result, out)
+        elif isinstance(work, DigestSpan):
+            self.admission.on_init_digested(work, result)
         elif isinstance(work, CommitPart):
             self.merge.on_commit_part(work, result, now, out)
         elif isinstance(work, DigestFragment) and work.claim:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from diloco.syncer.core.initdigest import InitDigest
 from diloco.wire.parts import FragmentLayout
 
 # (name, dtype name, shape) of one tensor of a fragment, in the plan's order.
@@ -176,7 +177,10 @@ class FragmentRecord:
     """(version, ``tensor_digest`` of ``value`` at that version), computed on the data plane when
     an island claims to hold a value (``Cuts``); a new version or a restarted INIT voids it."""
     digesting: int = -1
-    """The version whose ``value_digest`` the data plane is computing (-1: none)."""
+    """The version whose ``value_digest`` the data plane is computing (-1: none); 0 from an INIT's
+    first part while ``init_digest`` streams."""
+    init_digest: InitDigest | None = None
+    """The INIT value's digest as it streams (``initdigest.py``); None once known, or abandoned."""
     value_absmax: list[float] = field(default_factory=list)
     momentum_absmax: list[float] = field(default_factory=list)
     commit_s: float = 0.0

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.digest import FragmentDigest
 from diloco.outer import OuterHyper
 from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
+__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
 
 
 @dataclass
@@ -154,7 +155,26 @@ class DigestFragment:
         return self.fragment
 
 
-Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment
+@dataclass
+class DigestSpan:
+    """Feed elements ``[lo, hi)`` of an INIT value (parts up to ``end``, exclusive) to ``hasher``,
+    the fragment's streamed digest (``initdigest.py``); the result's ``digest`` is its hex digest
+    once the whole value was fed. The core has at most one span of a fragment out at a time, so
+    the hasher sees the stream in order; any worker may run it (the least loaded)."""
+
+    fragment: int
+    value: torch.Tensor
+    lo: int
+    hi: int
+    end: int
+    hasher: FragmentDigest
+
+    @property
+    def part(self) -> int:
+        return self.fragment
+
+
+Work = FoldPart | InitPart | CommitPart | EncodePart | DigestFragment | DigestSpan
 
 
 @dataclass

@@ -90,6 +90,7 @@ def test_a_commit_reaches_an_island_whose_cut_is_half_given() -> None:
     # Island 2 (re)joins claiming fragment 1 only: fragment 0 of its cut streams at once, fragment 1
     # waits for the digest its claim needs (held back here while a round of fragment 0 commits).
     d = started()
+    d.st.fragments[1].value_digest = None  # no digest known, as after --resume (INIT streamed one)
     d.send(peer(2), claiming(2, 995, ["", OWN[1]]), now=1.0, run=False)
     digests = d.st.take_work()
     assert [type(w).__name__ for w in digests] == ["DigestFragment"]
