@@ -45,6 +45,22 @@ def test_next_span_hands_out_the_copied_prefix_one_span_at_a_time() -> None:
     assert state.next_span() == (3, 4)
 
 
+def test_next_span_waits_for_min_parts_except_at_the_end() -> None:
+    from diloco.wire import FragmentLayout
+
+    state = InitDigest.of(FragmentLayout.of([("a", (10,))]), 5)
+    for k in range(2):
+        state.copied_part(k)
+    assert state.next_span(min_parts=3) is None
+    state.copied_part(2)
+    assert state.next_span(min_parts=3) == (0, 3)
+    state.hashed_to(3)
+    state.copied_part(3)
+    assert state.next_span(min_parts=3) is None
+    state.copied_part(4)
+    assert state.next_span(min_parts=3) == (3, 5)  # the stream's rest: fewer is fine
+
+
 def test_the_digest_streams_with_init_and_a_claim_needs_no_pass_of_its_own() -> None:
     d = Driver(CFG)
     d.send(peer(0), hello(0, GEN[0]))
@@ -60,7 +76,12 @@ def test_the_digest_streams_with_init_and_a_claim_needs_no_pass_of_its_own() -> 
     assert "DigestFragment" not in kinds(d.st.take_work())
 
 
-def test_parts_copied_out_of_order_still_hash_in_stream_order() -> None:
+@pytest.mark.parametrize("span_elems", [1, 1 << 30])
+def test_parts_copied_out_of_order_still_hash_in_stream_order(monkeypatch: pytest.MonkeyPatch,
+                                                               span_elems: int) -> None:
+    from diloco.syncer.core import admission
+
+    monkeypatch.setattr(admission, "SPAN_ELEMS", span_elems)  # a span per part; one span at the end
     rng = random.Random(3)
     d = Driver(CFG)
     d.send(peer(0), hello(0, GEN[0]))
@@ -105,7 +126,10 @@ def test_a_failed_span_falls_back_to_hashing_the_value_for_a_claim() -> None:
     assert [o.header.fragment for o in of(out, Held)] == [0]
 
 
-def test_a_restarted_init_ignores_the_old_streams_spans() -> None:
+def test_a_restarted_init_ignores_the_old_streams_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco.syncer.core import admission
+
+    monkeypatch.setattr(admission, "SPAN_ELEMS", 1)  # a span per part, so one goes out mid-stream
     d = Driver(CFG)
     d.send(peer(0), hello(0, GEN[0]))
     first = inits(0)
