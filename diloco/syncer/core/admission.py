@@ -178,9 +178,9 @@ class Admission:
             self.journal.refusals += 1
             log.warning("INIT part %d of fragment %d refused: %s; island 0 must stream INIT again",
                         work.part, work.fragment, result.error)
-            frag.value = frag.momentum = frag.init_digest = None
+            self._end_digest(frag)
+            frag.value = frag.momentum = None
             frag.init_next_part = frag.init_done_parts = 0
-            frag.digesting = -1
             out.append(Outgoing(self.sessions.islands[0].peer, Error(code="bad_init", reason=result.error)))
             return
         frag.init_done_parts += 1
@@ -208,13 +208,12 @@ class Admission:
         if result.error:
             log.error("streamed digest of INIT fragment %d failed (a claim of it has the value hashed): %s",
                       work.fragment, result.error)
-            self._abandon_digest(frag)
+            self._end_digest(frag)
             return
         state.hashed_to(work.end)
         if result.digest is not None:
-            frag.init_digest, frag.value_digest = None, (0, result.digest)
-            if frag.digesting == 0:
-                frag.digesting = -1
+            frag.value_digest = (0, result.digest)
+            self._end_digest(frag)
             return
         self._digest_next(frag)
 
@@ -224,7 +223,7 @@ class Admission:
         state = frag.init_digest
         assert state is not None
         if frag.version != 0 or frag.committing or frag.consuming:
-            self._abandon_digest(frag)
+            self._end_digest(frag)
             return
         span = state.next_span(max(1, SPAN_ELEMS // self.book.part_elems))
         if span is None:
@@ -236,7 +235,9 @@ class Admission:
         self.journal.work.append(DigestSpan(frag.index, frag.value, lo, hi, span[1], state.hasher))
 
     @staticmethod
-    def _abandon_digest(frag: FragmentRecord) -> None:
+    def _end_digest(frag: FragmentRecord) -> None:
+        """Stop streaming ``frag``'s INIT digest (finished, failed or void); a claim then uses the
+        ``value_digest`` it left, or has the value hashed whole."""
         frag.init_digest = None
         if frag.digesting == 0:
             frag.digesting = -1
