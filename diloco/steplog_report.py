@@ -14,6 +14,11 @@ Definitions (the tests pin these):
     train records   records with phase "train" (one per training step); the boundary
                     time figures and the step count use only these, while start-up
                     and finish() are reported as their own totals (start_s, finish_s)
+    finish_s        sum(blocked_s) of the "finish" records: what finish() blocked in its
+                    own work (applies, the final cut's install); not its waits
+    finish_wall_s   the last "finish" record's time - the last "train" record's time: the
+                    last step's end to the final cut installed, waits for the flush rounds
+                    included (None without both)
     percentiles     linear interpolation between closest ranks (numpy's default)
     other_s         blocked_s - export_s - apply_s - wait_s, floored at 0
     sync_share      sum(blocked_s) / sum(step_s + blocked_s) over train records
@@ -64,6 +69,7 @@ class IslandSummary:
     truncated_tail: bool
     start_s: float
     finish_s: float
+    finish_wall_s: float | None
     boundary_ms_p50: float | None
     boundary_ms_p95: float | None
     boundary_ms_max: float | None
@@ -189,6 +195,7 @@ def summarize(path: str, contents: StepLogContents | None = None) -> IslandSumma
         truncated_tail=contents.truncated_tail,
         start_s=math.fsum(r.blocked_s for r in records if r.phase == "start"),
         finish_s=math.fsum(r.blocked_s for r in records if r.phase == "finish"),
+        finish_wall_s=_finish_wall(records),
         boundary_ms_p50=_ms(_pct(boundary, 50)),
         boundary_ms_p95=_ms(_pct(boundary, 95)),
         boundary_ms_max=_ms(max(boundary) if boundary else None),
@@ -269,6 +276,13 @@ def _phase(total: float, share: float | None) -> str:
     return f"{total:.3f} s ({_pct_str(share)})"
 
 
+def _finish_wall(records: Sequence[StepRecord]) -> float | None:
+    """The last finish record's time minus the last train record's (None without both)."""
+    train = [r.time for r in records if r.phase == "train"]
+    finish = [r.time for r in records if r.phase == "finish"]
+    return max(0.0, finish[-1] - train[-1]) if train and finish else None
+
+
 def format_table(summaries: Sequence[IslandSummary]) -> str:
     """Render the summaries as a plain-text table, one column per log."""
     rows: list[tuple[str, list[str]]] = [
@@ -281,7 +295,8 @@ def format_table(summaries: Sequence[IslandSummary]) -> str:
         ("boundary ms p95", [_num(s.boundary_ms_p95, "{:.3f}") for s in summaries]),
         ("boundary ms max", [_num(s.boundary_ms_max, "{:.3f}") for s in summaries]),
         ("start-up", [f"{s.start_s:.3f} s" for s in summaries]),
-        ("finish", [f"{s.finish_s:.3f} s" for s in summaries]),
+        ("finish (blocked)", [f"{s.finish_s:.3f} s" for s in summaries]),
+        ("last step -> final cut", [_num(s.finish_wall_s, "{:.3f} s") for s in summaries]),
         ("boundary total", [f"{s.boundary_total_s:.3f} s" for s in summaries]),
         ("  export", [_phase(s.export_s, s.export_share) for s in summaries]),
         ("  apply", [_phase(s.apply_s, s.apply_share) for s in summaries]),

@@ -23,13 +23,14 @@ most of it in futures. Inline is also twice as fast flat out (``scripts/probe_cl
 docs/PERFORMANCE.md, session 14). xxh3 and numpy's copy release the GIL for each 1 MiB chunk."""
 
 
-def chunk_parallel(header: wire.Header) -> bool:
+def chunk_parallel(header: wire.Header, done: bool = False) -> bool:
     """``parallel`` of one message's chunk work: on the shared chunk threads for INIT (sent before
-    the first step) and FINAL (received after the last), when no training loop shares the GIL and
-    the chunk work is all the island does; else :data:`CHUNK_PARALLEL`. On the device, INIT's client
-    thread hashing inline ran at 88 % of a core and held INIT to 4.2 GB/s (docs/PERFORMANCE.md,
+    the first step), FINAL (received after the last), and everything once the island said ``done``
+    (the flush pushes and the broadcasts that end the run), when no training loop shares the GIL
+    and the chunk work is all the island does; else :data:`CHUNK_PARALLEL`. On the device, INIT's
+    client thread hashing inline ran at 88 % of a core and held INIT to 4.2 GB/s (docs/PERFORMANCE.md,
     session 23)."""
-    return CHUNK_PARALLEL or isinstance(header, (wire.Init, wire.Final))
+    return CHUNK_PARALLEL or done or isinstance(header, (wire.Init, wire.Final))
 
 
 class SyncError(RuntimeError):

@@ -268,7 +268,7 @@ class Inbox:
         if asm.views is not None:
             lo, hi = layout.part_range(h.part, self._part_elems)
             dests = [asm.views[i][a:b] for i, a, b in layout.segments(lo, hi)]  # check_part: same segments
-            opened.copy_into(dests, parallel=chunk_parallel(h))
+            opened.copy_into(dests, parallel=chunk_parallel(h, self._done))
             if asm.digest is not None:
                 for piece in dests:  # stream order, while the part is still in cache
                     asm.digest.update(piece)

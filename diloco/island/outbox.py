@@ -186,7 +186,7 @@ class Outbox:
             else:
                 segs, buf = _part_of(out.tensors, layout, k, E, self.ring)
                 payload = wire.encode_payload(segs, wire_dtype=out.wire_dtype, seed=self._seed,
-                                               parallel=chunk_parallel(out.header))
+                                               parallel=chunk_parallel(out.header, self._done))
             if isinstance(out.header, wire.Push):
                 self.stats.push_bytes_sent += payload.nbytes
             made[0], made[1], made[2] = k, payload, buf

@@ -230,6 +230,12 @@ def test_phases_and_bytes_per_round_from_push_and_apply_events_only(tmp_path: Pa
     s = summarize(str(path))
     assert (s.records, s.steps, s.first_step, s.last_step) == (7, 5, 1, 5)
     assert (s.start_s, s.finish_s) == (5.0, 2.0)
+    # The finish's wall: the last step's end (HAND_LOG's step 5, at +5 s) to the final cut's record
+    # (also at +5 s here): none; the later record below waits 3 s for a flush round.
+    assert s.finish_wall_s == 0.0
+    late = tmp_path / "late.jsonl"
+    write_log(late, records[:-1] + [dataclasses.replace(records[-1], time=records[-1].time + 3.0)])
+    assert summarize(str(late)).finish_wall_s == pytest.approx(3.0)
     # Start-up and finish are not training boundaries: the timing figures are HAND_LOG's.
     assert s.boundary_total_s == pytest.approx(0.4) and s.sync_share == pytest.approx(0.4 / 6.4)
     # INIT, the initial cut and the final cut are not rounds' bytes...

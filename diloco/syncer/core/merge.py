@@ -31,7 +31,7 @@ from diloco.syncer.core.robustrules import judge_unjudged
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
 from diloco.syncer.core.work import CommitPart, FoldPart, Result, commit_span
-from diloco.wire import Error
+from diloco.wire import Error, bcast_dtype
 
 log = logging.getLogger("diloco.syncer.core")
 
@@ -333,9 +333,13 @@ class Merge:
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
             "; the old value went as the commit passed it" if r.consumed else "",
         )
-        if not changed or r.flush:
-            return  # a flush commit's value goes out once, in the final cut that follows it
+        if not changed:
+            return
         # Islands that have not been given this fragment of their cut get this version with it instead.
+        # A flush commit's value goes now to every island that said done and takes fp32 broadcasts: the
+        # final cut then names it in a held notice (``effects.final_or_held``) instead of carrying it,
+        # so the final cut waits only for the last flush. Bytes it would carry anyway (a bf16
+        # broadcast: the final cut is fp32) are not sent twice.
         for isl in self.sessions.live():
-            if isl.has_cut(frag.index):
+            if isl.has_cut(frag.index) and (not r.flush or (isl.done and bcast_dtype(isl.wire_dtype) == "float32")):
                 out.append(bcast(isl, frag, r.round, cut=False))

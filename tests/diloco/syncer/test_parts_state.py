@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from diloco.syncer.core.config import SyncerConfig
-from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, encode, open_message
+from diloco.wire import PROTOCOL_VERSION, Error, Final, FinalAck, Heartbeat, Hello, Pull, Shutdown, encode, open_message
 
 from state_driver import Driver, bitwise, errors, flat, init_parts, of, push_parts, reference_commit, streams
 
@@ -438,9 +438,17 @@ def test_rounds_follow_the_slower_island_then_one_flush_round_per_fragment(total
     assert d.st.rounds[5].flush and d.st.rounds[6].flush and "F" in d.st.status()
     out = push_round(5, 0, {0: 0, 1: 3}, 5.0)  # island 1's steps 7..9 of fragment 0
     assert not streams(out, "FINAL") and d.st.phase == "running"
-    out = push_round(6, 1, {0: 0, 1: 1}, 5.0)
-    finals = streams(out, "FINAL")
-    assert d.st.phase == "final" and len(finals) == 4 and {o.versions for o in finals} == {(3, 3)}
+    out += push_round(6, 1, {0: 0, 1: 1}, 5.0)
+    finals, held = streams(out, "FINAL"), [o.header for o in of(out, Final)]
+    assert d.st.phase == "final" and {o.versions for o in finals} | {h.versions for h in held} == {(3, 3)}
+    # Islands that said done get each flush commit at once, and their final cut names it in a held
+    # notice; islands that only reached the last step get the final cut's bytes.
+    flushed = sorted((o.peer, o.fragment, o.version) for o in streams(out, "BCAST"))
+    if total_steps:
+        assert len(finals) == 4 and not held and not flushed
+    else:
+        assert not finals and sorted((h.fragment, h.held) for h in held) == [(0, True), (0, True), (1, True), (1, True)]
+        assert flushed == sorted((peer(i), f, 3) for i in range(2) for f in range(2))
     evs = [e for e in d.st.events if "round" in e]
     assert [(e["round"], e["fragment"], e["flush"], e["changed"]) for e in evs] == [
         (1, 0, False, True), (2, 1, False, True), (3, 0, False, True), (4, 1, False, True),

@@ -21,7 +21,7 @@ from diloco.syncer.core import merge as commit_rules
 from diloco.syncer.core.config import ConfigError, SyncerConfig
 from diloco.syncer.core.coordinator import Coordinator
 from diloco.syncer.store import FORMAT, CheckpointStore
-from diloco.wire import PROTOCOL_VERSION, Error, FinalAck, Heartbeat, Hello, Pull, Shutdown, Welcome
+from diloco.wire import PROTOCOL_VERSION, Error, Final, FinalAck, Heartbeat, Hello, Pull, Shutdown, Welcome
 
 from state_driver import (  # noqa: E402
     Driver,
@@ -464,8 +464,16 @@ def test_finalization_after_flush_rounds_acks_then_shutdown_and_timeout() -> Non
     out += d.send_all(peer(1), pushes(1, 3, 1, steps=0), now=2.0)
     assert not streams(out, "FINAL")
     out = d.send_all(peer(2), pushes(2, 3, 1, steps=1, tokens=4), now=2.0)
+    # The flush commit of fragment 1 goes at once to island 2, the one that said done (its digest
+    # is taken as it lands), so island 2's final cut names that fragment in a held notice; islands
+    # 0 and 1 only reached the last step and get every fragment's bytes.
+    bcasts = streams(out, "BCAST")
+    assert [(o.peer, o.fragment, o.version, o.wire_dtype) for o in bcasts] == [(peer(2), 1, 1, "float32")]
+    held = [o.header for o in of(out, Final)]
+    assert [(h.fragment, h.version, h.held) for h in held] == [(1, 1, True)]
     finals = streams(out, "FINAL")
-    assert len(finals) == 6 and all(o.wire_dtype == "float32" for o in finals)
+    assert len(finals) == 5 and all(o.wire_dtype == "float32" for o in finals)
+    assert (peer(2), 1) not in {(o.peer, o.fragment) for o in finals}
     assert {o.versions for o in finals} == {(1, 1)} and d.st.phase == "final"
     assert [e["flush"] for e in d.st.events if "round" in e] == [False, True, True]
     assert d.st.events[-1] == {"time": 2.0, "summary": {"scheduled_rounds": 1, "committed_rounds": 3,
