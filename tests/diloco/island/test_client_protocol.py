@@ -393,3 +393,18 @@ def test_the_part_ring_hands_out_only_buffers_zmq_released() -> None:
     assert ring.take(8) is b and ring.take(8) is b  # never a (a plain round robin gave a here)
     queued.done = True
     assert ring.take(8) is a
+
+
+def test_chunk_work_goes_parallel_for_init_final_and_once_done() -> None:
+    """INIT and FINAL always use the shared chunk threads; a push or a broadcast only once the
+    island said done (no training loop shares the GIL then); during training they stay inline."""
+    from diloco.island.effects import CHUNK_PARALLEL, chunk_parallel
+
+    push = wire.Push(island=0, generation=GEN, fragment=0, round=1, attempt=0, base_version=0, local_steps=1,
+                     tokens=1, part=0, n_parts=1)
+    bcast = wire.Bcast(fragment=0, version=1, round=1, cut=False, part=0, n_parts=1, commit_us=0)
+    init = wire.Init(island=0, generation=GEN, fragment=0, n_fragments=1, part=0, n_parts=1, schema=())
+    final = wire.Final(fragment=0, version=1, n_fragments=1, versions=(1,), part=0, n_parts=1)
+    assert chunk_parallel(push) is CHUNK_PARALLEL and chunk_parallel(bcast) is CHUNK_PARALLEL
+    assert chunk_parallel(push, done=True) and chunk_parallel(bcast, done=True)
+    assert chunk_parallel(init) and chunk_parallel(final)
