@@ -336,10 +336,10 @@ class Merge:
         if not changed:
             return
         # Islands that have not been given this fragment of their cut get this version with it instead.
-        # A flush commit's value goes now to every island that said done and takes fp32 broadcasts: the
-        # final cut then names it in a held notice (``effects.final_or_held``) instead of carrying it,
-        # so the final cut waits only for the last flush. Bytes it would carry anyway (a bf16
-        # broadcast: the final cut is fp32) are not sent twice.
+        # A flush commit's value goes now only where it stands for the final value (an fp32 stream to
+        # an island that said done): the final cut then names it in a held notice
+        # (``effects.final_or_held``) instead of carrying it, so it waits only for the last flush.
+        # Elsewhere the final cut carries it, and it is not sent twice.
         for isl in self.sessions.live():
-            if isl.has_cut(frag.index) and (not r.flush or (isl.done and bcast_dtype(isl.wire_dtype) == "float32")):
+            if isl.has_cut(frag.index) and (not r.flush or isl.holds_as_final(bcast_dtype(isl.wire_dtype))):
                 out.append(bcast(isl, frag, r.round, cut=False))

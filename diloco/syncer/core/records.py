@@ -114,12 +114,17 @@ class IslandRecord:
         """Whether ``fragment`` of the current cut was given (later versions of it then follow)."""
         return self.cut_sent or fragment in self.cut_given
 
+    def holds_as_final(self, dtype: str, cut: bool = False) -> bool:
+        """Whether a value stream in ``dtype`` sent now would stand for the island's final value
+        (a held FINAL): an fp32 round value (not a cut: a cut goes to a session that may not have
+        said done itself) after the island said it is done (it hashes what it receives then)."""
+        return dtype == "float32" and self.done and not cut
+
     def streamed(self, fragment: int, version: int, dtype: str, cut: bool = False) -> None:
         """A value stream of ``fragment`` at ``version`` in ``dtype`` goes to the island now:
-        remembered for a held FINAL when it is an fp32 round value (not a cut: a cut goes to a
-        session that may not have said done itself) and the island said it is done (it hashes
-        what it receives then); forgotten otherwise (the island's last value is another)."""
-        if dtype == "float32" and self.done and not cut:
+        remembered for a held FINAL when it would stand for the final value (:meth:`holds_as_final`);
+        forgotten otherwise (the island's last value is another)."""
+        if self.holds_as_final(dtype, cut):
             self.done_values[fragment] = version
         else:
             self.done_values.pop(fragment, None)
