@@ -192,6 +192,18 @@ def sub_in_parallel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None
                  for lo in range(0, n, e)], "yeto-host-sub")
 
 
+def copy_in_parallel(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for flat host tensors of one length, by several threads over disjoint
+    slices of :data:`_FAULT_SLICE_ELEMS` (bit for bit the one copy; torch releases the GIL in each).
+    Inline for a tensor of one slice or less."""
+    n = dst.numel()
+    if src.numel() != n:
+        raise ValueError(f"copy_in_parallel: lengths {src.numel()} and {n} differ")
+    e = _FAULT_SLICE_ELEMS
+    _run_sliced([functools.partial(dst[lo:lo + e].copy_, src[lo:lo + e]) for lo in range(0, n, e)],
+                "yeto-host-copy")
+
+
 def zero_in_parallel(tensors: Sequence[torch.Tensor]) -> None:
     """Zero freshly allocated host tensors with several threads, so their pages are faulted in
     (the kernel zeroes each page on first touch) in parallel rather than by one thread: a

@@ -124,8 +124,15 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=None,
                     help="record per-part timelines of the client and the syncer into this folder and "
                          "print where the parts' time went (scripts/trace_init.py)")
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="the syncer's GIL switch interval (sys.setswitchinterval, set before its code runs), "
+                         "in ms (0: Python's default of 5 ms)")
+    ap.add_argument("--island-switch-ms", type=float, default=0.0,
+                    help="the same for this process (the island's client), in ms (0: the default)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if a.island_switch_ms > 0:
+        sys.setswitchinterval(a.island_switch_ms / 1000)
     island_cpus, syncer_cpus = cpu_list(a.island_cpus), cpu_list(a.syncer_cpus)
     if island_cpus:  # before any value is touched or thread started: they inherit it, pages come local
         os.sched_setaffinity(0, island_cpus)
@@ -144,6 +151,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="probe_init_"))
     key = b"probe-init-key"
     env = dict(os.environ, PYTHONPATH=str(REPO), YETO_SYNC_KEY=key.decode())
+    if a.switch_ms > 0:  # the syncer's interpreter sets it before its own code runs
+        (tmp / "site").mkdir()
+        (tmp / "site" / "sitecustomize.py").write_text(f"import sys\nsys.setswitchinterval({a.switch_ms / 1000!r})\n")
+        env["PYTHONPATH"] = f"{tmp / 'site'}{os.pathsep}{REPO}"
     save_trace = None
     if a.trace is not None:
         import trace_init
@@ -224,7 +235,8 @@ def main() -> int:
             traced = trace_init.counts(a.trace)
         print(json.dumps({"init_gbps": round(nbytes / sent_s / 1e9, 3), "init_s": round(sent_s, 3),
                           "cut_s": round(cut_s, 3), "initialised": initialised, "window": client_mod.WINDOW,
-                          "syncer_args": a.syncer_args, "gib": a.gib, "fragments": a.fragments,
+                          "syncer_args": a.syncer_args, "switch_ms": a.switch_ms,
+                          "island_switch_ms": a.island_switch_ms, "gib": a.gib, "fragments": a.fragments,
                           "island_cpus": a.island_cpus, "syncer_cpus": a.syncer_cpus,
                           **({"train_rate_ratio": round(during / alone, 4)} if trainer is not None else {}),
                           **({"traced": traced} if traced else {})}))

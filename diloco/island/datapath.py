@@ -278,7 +278,8 @@ class DataPath:
                 work = work[off : off + n]
                 master.add_(work.to(master.device, non_blocking=True) if nb else work)
             elif mode == "cut" or alpha == 0.0:
-                master.copy_(anchor, non_blocking=nb)
+                if not (nb and self._slots.upload(master, anchor)):  # done through the free pinned block
+                    master.copy_(anchor, non_blocking=nb)
             elif fused:
                 src = anchor.to(master.device, non_blocking=True) if nb else anchor
                 master.mul_(alpha).add_(src, alpha=1.0 - alpha)

@@ -22,11 +22,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.hostmem import sub_in_parallel
+from diloco.hostmem import copy_in_parallel, sub_in_parallel
 from gloo_bridge import device as dev
 
 DEVICE_CHUNK_ELEMS = 16 << 20
 """Elements of the global a device slot's staging copies up at once (64 MiB of device memory)."""
+UPLOAD_CHUNK_ELEMS = 128 << 20
+"""Elements per half of the free block that :meth:`SnapshotSlots.upload` bounces through (512 MiB)."""
 
 
 class SnapshotSlots:
@@ -124,6 +126,36 @@ class SnapshotSlots:
             dev.event_synchronize(self._events.get(self._owners[f]))
 
     # ------------------------------------------------------------------ copies
+    def upload(self, master: torch.Tensor, src: torch.Tensor) -> bool:
+        """``master.copy_(src)`` for a flat device master and a flat pageable host ``src``, through
+        the page-locked block while no slot is held: each half of the block in turn is filled by
+        several host threads while the device copies the other half up, instead of the driver's
+        one-thread pageable copy (about 5 GB/s on the device host: 2 s for a 2.7B final cut).
+        Returns once the device holds every byte (the block is free again), True; False, having
+        done nothing, when the block is not pinned host memory, is held, or ``master`` is on the
+        host (the caller copies as before)."""
+        if self._block is None or self.device is not None or not self._pinned or self._owners \
+                or not dev.is_accelerator(master) or src.device.type != "cpu" or src.numel() != master.numel() \
+                or not master.dtype == src.dtype == self._block.dtype:
+            return False
+        for event in self._events.values():  # an earlier install may still read the block
+            dev.event_synchronize(event)
+        self._events.clear()
+        half = max(1, min(UPLOAD_CHUNK_ELEMS, self._block.numel() // 2))
+        halves = (self._block[:half], self._block[half : 2 * half])
+        stream = dev.current_stream(master.device)
+        pending: list[object | None] = [None, None]
+        for i, lo in enumerate(range(0, master.numel(), half)):
+            hi = min(master.numel(), lo + half)
+            buf = halves[i % 2][: hi - lo]
+            dev.event_synchronize(pending[i % 2])  # the device has read this half's previous chunk
+            copy_in_parallel(src[lo:hi], buf)
+            master[lo:hi].copy_(buf, non_blocking=True)
+            pending[i % 2] = dev.record_event(stream)
+        for event in pending:
+            dev.event_synchronize(event)
+        return True
+
     def take(self, f: int, pieces: Sequence[int], lengths: Sequence[int]) -> None:
         """Training thread: copy the masters of ``pieces`` (``lengths`` elements each) into a slot for
         ``f``. Refuses (ValueError) when every slot holds another fragment."""

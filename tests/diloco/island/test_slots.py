@@ -75,3 +75,48 @@ def test_device_slots_give_the_same_bits_as_pinned_host_slots() -> None:
         slots.free()
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_upload_is_refused_where_no_pinned_block_or_device_master_serves_it() -> None:
+    """Host masters or an unpinned block: ``upload`` does nothing and says so (the caller copies)."""
+    masters = _masters("cpu")
+    src = torch.randn(1000)
+    slots = SnapshotSlots(masters, 1, pinned=False, on_device=False)
+    assert not slots.upload(masters[0], src)  # not allocated
+    slots.allocate(4 * 1000)
+    assert not slots.upload(masters[0], src)  # host master, unpinned block
+    assert not torch.equal(masters[0], src)
+
+
+def test_copy_in_parallel_is_the_one_copy_across_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco import hostmem
+    monkeypatch.setattr(hostmem, "_FAULT_SLICE_ELEMS", 1000)
+    src = torch.randn(4567)
+    src[5] = -0.0
+    dst = torch.empty_like(src)
+    hostmem.copy_in_parallel(src, dst)
+    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
+    with pytest.raises(ValueError, match="differ"):
+        hostmem.copy_in_parallel(src, dst[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_upload_through_the_free_pinned_block_lands_every_bit_and_never_while_a_slot_is_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A master several halves of the block long (and not a multiple of one) comes up bit for bit
+    from a pageable host tensor; while a snapshot holds the block, upload refuses."""
+    from diloco.island import slots as slots_mod
+    monkeypatch.setattr(slots_mod, "UPLOAD_CHUNK_ELEMS", 1 << 16)
+    n = 5 * (1 << 16) + 777
+    masters = _masters("cuda", (n,))
+    slots = SnapshotSlots(masters, 1, pinned=True, on_device=False)
+    slots.allocate(4 * n)
+    src = torch.randn(n)
+    src[3] = -0.0
+    assert slots.upload(masters[0], src)
+    assert torch.equal(masters[0].cpu().view(torch.int32), src.view(torch.int32))
+    slots.take(0, [0], [n])
+    assert not slots.upload(masters[0], torch.zeros(n))
+    slots.installed(0, [0], None)
+    assert slots.upload(masters[0], torch.zeros(n)) and torch.count_nonzero(masters[0]).item() == 0
