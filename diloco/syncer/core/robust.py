@@ -19,12 +19,17 @@ when a part is folded; tested with plain values.
 * **Deltas are bounded per part** (:class:`PartBound`): any element beyond ``max_abs``
   refuses the part before that chunk is folded (so ``weight x max|delta|`` summed over
   islands stays far below the fp32 range: accumulation cannot overflow); once a fragment has a
-  reference RMS (the median per-island RMS of its previous round, :class:`Reference`), each
-  part's L2 norm is summed as it is folded: above ``--norm-clip-factor`` x reference x
-  sqrt(elements) the part is folded a second time with its weight times ``scale - 1``, which
+  reference RMS per local step (the median per-island RMS of its previous round, each over that
+  push's local steps, :class:`Reference`), each part's L2 norm is summed as it is folded: above
+  ``--norm-clip-factor`` x reference x the push's local steps x sqrt(elements) the part is folded
+  a second time with its weight times ``scale - 1``, which
   leaves it scaled down to that norm (clipped, counted per island: only such parts cost the
   second pass); above ``--norm-refuse-factor`` x the same it is refused and its attempt voided.
-  This holds for fp32, bf16 and (once dequantized) low-bit parts.
+  This holds for fp32, bf16 and (once dequantized) low-bit parts.  A delta grows with the steps
+  it covers, and rounds of one fragment cover different numbers of them (the first round of a
+  staggered fragment, the flush), so the reference is per step and each push's bound is scaled
+  by its own steps, clamped like its weight (``max_steps_factor x H``): a liar claiming more
+  steps gains at most that factor of norm room.
 * A refused part is charged to the island that sent it (``--max-refusals`` evicts): the
   attempt is re-pulled without it, so the round commits with the others.
 
@@ -164,21 +169,25 @@ def overflow_safe(weights: Sequence[int], max_abs: float = MAX_ABS_DELTA) -> boo
 
 
 class Reference:
-    """Per-fragment reference RMS, the last round's weights, per-island tallies (fixed size).
+    """Per-fragment reference RMS per local step, the last round's weights, per-island tallies (fixed size).
 
     Norms arrive from the data plane's workers (:meth:`sink`), so updates take a lock.  The
-    reference of a fragment is the median per-island RMS of the latest *earlier* round of that
-    fragment: a new round's first part moves the running one into it."""
+    reference of a fragment is the median over islands of the RMS of their pushes in the latest
+    *earlier* round of that fragment, each divided by that push's (clamped) local steps: a new
+    round's first part moves the running one into it."""
 
     def __init__(self) -> None:
         self.rms: dict[int, float] = {}
+        """Per fragment: the reference RMS per local step."""
         self.last_rates: dict[int, tuple[float, ...]] = {}
         """Per fragment: the weights per step of its latest attempt's pushes."""
         self.benched: set[int] = set()
         """Islands charged with a refused part: left out of the attempt that replaces it."""
         self.tally: dict[int, dict[str, int]] = {}
         """Per island: clamped counts, capped weights, clipped and refused parts."""
-        self._acc: dict[int, tuple[int, dict[int, tuple[float, int]]]] = {}
+        self._acc: dict[int, tuple[int, dict[int, tuple[float, int, int]]]] = {}
+        """Per fragment: the round being accumulated and, per island, (sum of squared part norms,
+        elements, the push's steps)."""
         self._lock = threading.Lock()
 
     def count(self, island: int, what: str) -> None:
@@ -186,17 +195,18 @@ class Reference:
             t = self.tally.setdefault(island, {})
             t[what] = t.get(what, 0) + 1
 
-    def sink(self, fragment: int, round_: int, island: int, n: int) -> Callable[[float], None]:
-        """A callback for :class:`PartBound`: the norm of one folded part of this push."""
+    def sink(self, fragment: int, round_: int, island: int, n: int, steps: int = 1) -> Callable[[float], None]:
+        """A callback for :class:`PartBound`: the norm of one folded part (``n`` elements) of this
+        push, which covers ``steps`` local steps (clamped; at least 1)."""
         def add(norm: float) -> None:
             with self._lock:
                 cur, acc = self._current(fragment, round_)
                 if round_ == cur:
-                    sq, count = acc.get(island, (0.0, 0))
-                    acc[island] = (sq + norm * norm, count + n)
+                    sq, count, _ = acc.get(island, (0.0, 0, 1))
+                    acc[island] = (sq + norm * norm, count + n, max(1, steps))
         return add
 
-    def _current(self, fragment: int, round_: int) -> tuple[int, dict[int, tuple[float, int]]]:
+    def _current(self, fragment: int, round_: int) -> tuple[int, dict[int, tuple[float, int, int]]]:
         """(round, per-island sums) being accumulated for ``fragment``, moved on to ``round_`` when
         that is later: the earlier round's sums become the reference (caller holds the lock)."""
         cur, acc = self._acc.setdefault(fragment, (round_, {}))
@@ -205,8 +215,8 @@ class Reference:
             cur, acc = self._acc[fragment] = (round_, {})
         return cur, acc
 
-    def _finish(self, fragment: int, acc: dict[int, tuple[float, int]]) -> None:
-        rms = [math.sqrt(sq / n) for sq, n in acc.values() if n > 0]
+    def _finish(self, fragment: int, acc: dict[int, tuple[float, int, int]]) -> None:
+        rms = [math.sqrt(sq / n) / steps for sq, n, steps in acc.values() if n > 0]
         if rms and statistics.median(rms) > 0:
             self.rms[fragment] = statistics.median(rms)
 
@@ -216,17 +226,19 @@ class Reference:
             self.last_rates[fragment] = tuple(r for r in rates if r > 0)
 
     def bound(self, fragment: int, round_: int, island: int, n: int, refuse_factor: float,
-              clip_factor: float = math.inf) -> PartBound:
-        """The bounds of one part (``n`` elements) of ``island``'s push: refused beyond
-        ``refuse_factor``, clipped beyond ``clip_factor`` x the fragment's reference RMS x sqrt(n)
-        (no norm bound before the fragment has a reference)."""
+              clip_factor: float = math.inf, steps: int = 1) -> PartBound:
+        """The bounds of one part (``n`` elements) of ``island``'s push over ``steps`` local steps
+        (clamped; at least 1): refused beyond ``refuse_factor``, clipped beyond ``clip_factor`` x
+        the fragment's reference RMS per step x ``steps`` x sqrt(n) (no norm bound before the
+        fragment has a reference)."""
+        steps = max(1, steps)
         with self._lock:
             self._current(fragment, round_)  # a later round: the earlier one's folds are all in
             ref = self.rms.get(fragment)
-        b = PartBound(sink=self.sink(fragment, round_, island, n))
+        b = PartBound(sink=self.sink(fragment, round_, island, n, steps))
         if ref is not None:
-            b.hard_norm = refuse_factor * ref * math.sqrt(n)
-            b.clip_norm = clip_factor * ref * math.sqrt(n)
+            b.hard_norm = refuse_factor * ref * steps * math.sqrt(n)
+            b.clip_norm = clip_factor * ref * steps * math.sqrt(n)
 
             def clipped(norm: float, clip: float) -> None:
                 self.count(island, "clipped")

@@ -63,5 +63,8 @@ def judge_unjudged(cfg: SyncerConfig, reference: Reference, journal: Journal, r:
 
 
 def part_bound(cfg: SyncerConfig, reference: Reference, r: RoundRecord, island: int, n: int) -> PartBound:
-    """The element and norm bounds (clip and refuse) of one part of ``island``'s push to ``r`` (``n`` elements)."""
-    return reference.bound(r.fragment, r.round, island, n, cfg.norm_hard_factor, cfg.norm_clip_factor)
+    """The element and norm bounds (clip and refuse) of one part of ``island``'s push to ``r`` (``n``
+    elements), scaled by the push's local steps as clamped for its weight."""
+    push = r.pushes.get(island)
+    steps = clamped_steps(cfg, push.local_steps) if push is not None else 1
+    return reference.bound(r.fragment, r.round, island, n, cfg.norm_hard_factor, cfg.norm_clip_factor, steps)

@@ -104,3 +104,28 @@ def test_a_part_is_clipped_above_the_clip_norm_and_refused_above_the_hard_one() 
     b3.sumsq = 64.0 ** 2
     assert math.isclose(clip_scale(b3), 0.5)
     assert "i1:clipped1" in ref.summary()
+
+
+def test_the_norm_reference_is_per_local_step_and_a_push_is_bounded_by_its_own_steps() -> None:
+    """A staggered fragment's first round covers few steps and the next many: the later round's
+    larger (honest) delta is not clipped against the first. A push's steps count as clamped for
+    its weight, so claiming more steps buys at most ``max_steps_factor`` of norm room."""
+    from diloco.syncer.core.config import SyncerConfig
+    from diloco.syncer.core.records import PushRecord, RoundRecord
+    from diloco.syncer.core.robustrules import part_bound
+    ref = Reference()
+    for island, norm in ((0, 2.0), (1, 2.0)):  # round 1: 4 steps, part RMS 1, so 0.25 per step
+        ref.sink(0, 1, island, 4, steps=4)(norm)
+    grown = ref.bound(0, 2, 0, 4, 64.0, 8.0, steps=16)
+    assert math.isclose(ref.rms[0], 0.25)
+    assert math.isclose(grown.clip_norm, 8.0 * 0.25 * 16 * 2.0)
+    check_chunk(grown, 6.0, torch.full((4,), 6.0))  # 6x round 1's RMS after 4x the steps
+    assert clip_scale(grown) == 1.0
+    short = ref.bound(0, 2, 1, 4, 64.0, 8.0, steps=1)
+    check_chunk(short, 6.0, torch.full((4,), 6.0))  # the same delta after one step: clipped
+    assert clip_scale(short) < 1.0
+    cfg = SyncerConfig(islands=2, sync_every=16)
+    r = RoundRecord(round=2, fragment=0, attempt=0, members=frozenset({0, 1}), attempt_started=0.0)
+    r.pushes[1] = PushRecord(island=1, base_version=1, local_steps=10**6, tokens=1, weight=1, n_parts=1)
+    liar = part_bound(cfg, ref, r, 1, 4)
+    assert math.isclose(liar.clip_norm, 8.0 * 0.25 * cfg.max_steps_factor * 16 * 2.0)
