@@ -70,8 +70,8 @@ for job in "$@"; do
            --spy-s "${PROFILE_SPY_S:-30}" >"$WORKDIR/prof_$job.txt" 2>&1 &
        fi
        if [ "${PROFILE_ISLAND:-0}" = 1 ]; then
-         python3 "$REPO/scripts/profile_syncer.py" "$WORKDIR/prof_island_$job" --match _megatron --env YETO_ISLAND_ID=0 \
-           --settle-s 20 --gil --delay-s "${PROFILE_DELAY_S:-40}" --spy-s "${PROFILE_SPY_S:-30}" \
+         python3 "$REPO/scripts/profile_syncer.py" "$WORKDIR/prof_island_$job" --match _megatron/pt --env YETO_ISLAND_ID=0 \
+           --exclude torch.distributed.run --settle-s 20 --gil --delay-s "${PROFILE_DELAY_S:-40}" --spy-s "${PROFILE_SPY_S:-30}" \
            >"$WORKDIR/prof_island_$job.txt" 2>&1 &
        fi
        OUT=$WORKDIR/$job SKIP_INSTALL=1 bash "$REPO/scripts/device_memory.sh" "${job%%_*}" "$WHEELS" >/dev/null 2>&1

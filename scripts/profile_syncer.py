@@ -30,8 +30,9 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def matching(match: str, env: str | None) -> list[int]:
-    """Pids whose command line holds ``match`` and (if given) whose environment holds ``env``."""
+def matching(match: str, env: str | None, exclude: str = "") -> list[int]:
+    """Pids whose command line holds ``match`` but not ``exclude`` (when given) and (if given) whose
+    environment holds ``env``."""
     me = os.getpid()
     found = []
     for d in Path("/proc").iterdir():
@@ -39,7 +40,7 @@ def matching(match: str, env: str | None) -> list[int]:
             continue
         try:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
-            if match.encode() not in cmd or b"profile_syncer" in cmd:
+            if match.encode() not in cmd or b"profile_syncer" in cmd or (exclude and exclude.encode() in cmd):
                 continue
             if env is not None and env.encode() not in (d / "environ").read_bytes().split(b"\0"):
                 continue
@@ -49,14 +50,14 @@ def matching(match: str, env: str | None) -> list[int]:
     return found
 
 
-def find_target(match: str, env: str | None, timeout_s: float, settle_s: float) -> int | None:
+def find_target(match: str, env: str | None, timeout_s: float, settle_s: float, exclude: str = "") -> int | None:
     """The matching process with the most threads, ``settle_s`` after the first one appeared."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not matching(match, env):
+    while time.monotonic() < deadline and not matching(match, env, exclude):
         time.sleep(0.2)
     time.sleep(settle_s)
     best: tuple[int, int] | None = None
-    for pid in matching(match, env):
+    for pid in matching(match, env, exclude):
         try:
             n = len(list(Path(f"/proc/{pid}/task").iterdir()))
         except OSError:
@@ -88,10 +89,11 @@ def main() -> int:
     p.add_argument("--match", default="-m diloco.syncer")
     p.add_argument("--env", default=None)
     p.add_argument("--settle-s", type=float, default=0.0, help="wait this long after the first match")
+    p.add_argument("--exclude", default="", help="skip processes whose command line holds this (a launcher)")
     p.add_argument("--gil", action="store_true", help="py-spy samples only the GIL holder")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    pid = find_target(a.match, a.env, 600.0, a.settle_s)
+    pid = find_target(a.match, a.env, 600.0, a.settle_s, a.exclude)
     if pid is None:
         print(f"profile_syncer: no process matching {a.match!r} appeared", file=sys.stderr)
         return 1
