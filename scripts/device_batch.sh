@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several device jobs in one call, their results packed into ONE archive ($OUT/results.tgz: the
 # device returns only a few files) and every report printed to stdout.
-# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | numa | fault | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
+# usage: bash scripts/device_batch.sh JOB...   JOB: probe | recv | init | numa | fault | fold | zmqinit | gputest | wan | scale | wire | 2.7b | 2.7b-np | 0.7b | 0.7b-np
 # (DIGEST=0 in the environment: island jobs skip the end-to-end digest files, for whole-run timing)
 # (an island job may carry a tag: 2.7b_a, 2.7b-np_a, ... each keep their results apart; a tag holding
 # "one", 2.7b_one / 2.7b-np_one, runs one island instead of two)
@@ -54,6 +54,11 @@ for job in "$@"; do
          done
        fi ;;
     fault) install; python3 "$REPO/scripts/probe_fault.py" --gib 4 2>&1 | tail -12 ;;
+    fold) install  # the data plane folding two islands' 2.5 GiB pushes alone: fresh against resident sums
+       for t in ${FOLD_THREADS:-4 8}; do
+         PYTHONPATH=$REPO timeout 200 python3 "$REPO/scripts/probe_fold.py" --gib 2.5 --data-threads "$t" 2>&1 | tail -5 \
+           | cut -c1-400 | tee -a "$WORKDIR/fold.txt"
+       done ;;
     zmqinit) install  # INIT's framing over bare zmq: the transport alone, then a syncer-like consumer
        IFS=, read -ra variants <<<"${ZMQ_INIT_VARIANTS:---workers 0,--workers 4,--workers 4 --touched,--workers 4 --rcvhwm 16,--workers 4 --window 8}"
        for v in "${variants[@]}"; do  # comma-separated variants, each a list of probe flags

@@ -86,3 +86,13 @@ def test_probe_fault_smoke() -> None:
     figures = _probe_json("probe_fault.py")
     assert {"plain_x1", "plain_x2"} <= set(figures)
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
+
+
+def test_probe_fold_smoke() -> None:
+    """scripts/probe_fold.py (the data plane folding two islands' pushes alone) folds every part of
+    both pushes into fresh and resident sums, and the sum is the weighted sum of the deltas."""
+    figures = _probe_json("probe_fold.py")
+    assert figures["sum_matches"] is True and figures["smoke"] is True
+    assert [r["fresh"] for r in figures["rounds"]] == [True, False]
+    for key in ("fold_gbps_fresh", "fold_gbps_resident", "memcpy_gbps"):
+        assert math.isfinite(figures[key]) and figures[key] > 0, key
