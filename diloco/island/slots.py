@@ -134,15 +134,16 @@ class SnapshotSlots:
         Returns once the device holds every byte (the block is free again), True; False, having
         done nothing, when the block is not pinned host memory, is held, or ``master`` is on the
         host (the caller copies as before)."""
-        if self._block is None or self.device is not None or not self._pinned or self._owners \
+        block = self._block
+        if block is None or block.numel() < 2 or self.device is not None or not self._pinned or self._owners \
                 or not dev.is_accelerator(master) or src.device.type != "cpu" or src.numel() != master.numel() \
-                or not master.dtype == src.dtype == self._block.dtype:
+                or not master.dtype == src.dtype == block.dtype:
             return False
         for event in self._events.values():  # an earlier install may still read the block
             dev.event_synchronize(event)
         self._events.clear()
-        half = max(1, min(UPLOAD_CHUNK_ELEMS, self._block.numel() // 2))
-        halves = (self._block[:half], self._block[half : 2 * half])
+        half = min(UPLOAD_CHUNK_ELEMS, block.numel() // 2)
+        halves = (block[:half], block[half : 2 * half])
         stream = dev.current_stream(master.device)
         pending: list[object | None] = [None, None]
         for i, lo in enumerate(range(0, master.numel(), half)):
