@@ -62,6 +62,8 @@ class Consumption:
             if key not in self._decided:
                 self._decided[key] = self._decide(w, key)
             w.consume = self._decided[key]
+            if w.consume and w.loan is not None:
+                w.loan.offer()  # nothing else reads the old value: its buffer may hold the next sum
             submit(w)
 
     def _decide(self, w: CommitPart, key: tuple[int, int]) -> bool:

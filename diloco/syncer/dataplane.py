@@ -99,6 +99,8 @@ def fold_part(w: FoldPart, scratch: Scratch) -> None:
     opened = w.opened
     weight = float(w.weight)  # rounded to fp32 by the kernel, like np.float32(w)
     first = not w.sum.started[w.part]
+    if first:
+        _wait_for_loan(w)
     starts = _segment_starts(opened, w.lo)
     dmax = 0.0
     for i, off, view in opened.chunk_views():
@@ -138,6 +140,8 @@ def _fold_quant_part(w: FoldPart) -> None:
     scales = torch.empty(scales_meta.shape, dtype=torch.bfloat16)
     w.opened.copy_into([codes, scales], parallel=False)  # the payload is 1/8 of fp32: one small copy
     out = w.sum.flat[w.lo : w.lo + w.n]
+    if not w.sum.started[w.part]:
+        _wait_for_loan(w)
     try:
         quant.check_payload(codes, scales, kind, block, out.numel())
     except quant.QuantError as exc:
@@ -155,6 +159,18 @@ def _fold_quant_part(w: FoldPart) -> None:
         finish_part(bound)
     w.sum.absmax[w.part] = absmax(out)
     w.sum.started[w.part] = True
+
+
+LOAN_WAIT_S = 60.0
+"""Longest a fold waits for the commit that lends its sum's memory to pass the part (``PageLoan``)."""
+
+
+def _wait_for_loan(w: FoldPart) -> None:
+    """Before the first fold of a part into a sum that lies in a consumed old value: wait until
+    that value's commit has passed the part (it runs on the commit workers, ahead of the folds)."""
+    loan = w.sum.loan
+    if loan is not None and not loan.wait_passed(w.part, LOAN_WAIT_S):
+        raise WireError(f"part {w.part}: the commit lending this round's sum did not pass it within {LOAN_WAIT_S:.0f}s")
 
 
 def _segment_starts(opened: Opened, lo: int) -> list[int]:
@@ -192,7 +208,9 @@ def commit_part(w: CommitPart, scratch: Scratch) -> list[tuple[dict[str, Payload
     for k in range(w.part, w.part + w.parts):
         lo, hi = w.layout.part_range(k, w.part_elems)
         out.append(commit_one(w, k, lo, hi, scratch))
-        if w.consume:
+        if w.consume and w.loan is not None:
+            w.loan.pass_part(k, lo, hi, release_pages)  # kept for the next round's sum, or released
+        elif w.consume:
             release_pages(w.value, lo, hi)
     return out
 

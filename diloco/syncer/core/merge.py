@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from diloco.outer import OuterHyper
 from diloco.syncer.core.book import FragmentBook
 from diloco.syncer.core.config import SyncerConfig
@@ -30,7 +32,7 @@ from diloco.syncer.core.recovery import Recovery
 from diloco.syncer.core.robustrules import judge_unjudged
 from diloco.syncer.core.roundbook import RoundBook
 from diloco.syncer.core.sessions import Sessions
-from diloco.syncer.core.work import CommitPart, FoldPart, Result, commit_span
+from diloco.syncer.core.work import CommitPart, FoldPart, PageLoan, Result, commit_span
 from diloco.wire import Error, bcast_dtype
 
 log = logging.getLogger("diloco.syncer.core")
@@ -70,6 +72,21 @@ class Merge:
         self.changed_flush = 0
         self.digest_seed = 0
         """Chunk-digest seed of the payloads we encode (``wire.digest_seed`` of the key; the loop sets it)."""
+        self.loans: dict[int, PageLoan] = {}
+        """Per fragment whose commit consumes its old value: that value's buffer, to lend (``PageLoan``)."""
+
+    def sum_buffer(self, numel: int) -> tuple[torch.Tensor, PageLoan | None]:
+        """Memory for a new round's sum of ``numel`` elements: the buffer of an old value that a running
+        commit consumes, when the loop let it be lent and it is large enough (the pages that commit
+        passes stay resident for this sum: none is zeroed anew); else fresh memory (``book.fresh``)."""
+        self.loans = {f: loan for f, loan in self.loans.items()
+                      if self.book.fragments[f].committing and not loan.taken and not loan.all_passed}
+        for f, loan in list(self.loans.items()):
+            flat = loan.take(numel)
+            if flat is not None:
+                del self.loans[f]
+                return flat, loan
+        return self.book.fresh(numel, "sum"), None
 
     def drop_laggards(self, r: RoundRecord, now: float, out: list[Out]) -> bool:
         """Apply the stall and quorum-timeout rules (``laggards.py``) to ``r``'s attempt; True when the
@@ -241,11 +258,15 @@ class Merge:
         r.consumed = False
         frag.committing = True
         span = commit_span(E)
+        r.sum.loan = None  # every fold of this round returned: nothing waits on its memory's old commit
+        loan = PageLoan(frag.value, E) if consume else None
+        if loan is not None:
+            self.loans[r.fragment] = loan  # lent to the next round's sum once the loop says it consumes
         for k in range(0, n, span):
             self.journal.work.append(CommitPart(r.round, r.fragment, k, frag.value, frag.momentum,
                                                 r.new_momentum, r.sum, total, hyper, frag.layout, E, dtypes,
                                                 frag.version + 1, self.digest_seed, check, min(span, n - k),
-                                                consume))
+                                                consume, loan))
 
     def on_commit_part(self, work: CommitPart, result: Result, now: float, out: list[Out]) -> None:
         """One part of a commit done; after the last, the round commits (or, when a part was not
@@ -275,6 +296,7 @@ class Merge:
         """Publish ``r``'s commit (``changed``: a new version; else the round merged nothing): ledgers,
         the event, the round retired, and the new value to every island that has its cut."""
         frag = self.book.fragments[r.fragment]
+        self.loans.pop(r.fragment, None)  # its old value is passed whole: nothing more to lend
         pushes = [r.pushes[i] for i in sorted(r.pushes)]
         if changed:
             assert r.sum is not None
@@ -324,14 +346,16 @@ class Merge:
                 # A round that changed nothing merged nothing (no weight, in any attempt): no commit time.
                 "commit_s": round(now - r.commit_started, 6) if changed else 0.0,
                 "consumed": r.consumed,
+                "sum_lent": r.sum is not None and r.sum.lent,
             }
         )
         log.info(
-            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)%s%s",
+            "commit round %d fragment %d attempt %d -> version %d (pushed %s, weights %s%s)%s%s%s",
             r.round, r.fragment, r.attempt, frag.version, [p.island for p in pushes], [p.weight for p in pushes],
             ", flush" if r.flush else "",
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
             "; the old value went as the commit passed it" if r.consumed else "",
+            "; the sum lay in an old value's pages" if r.sum is not None and r.sum.lent else "",
         )
         if not changed:
             return

@@ -10,6 +10,8 @@ its part and hands back a :class:`Result`, which the core takes through
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +22,74 @@ from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart", "InitPart", "Result", "RoundSum", "Work"]
+__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart",
+           "InitPart", "PageLoan", "Result", "RoundSum", "Work"]
+
+
+class PageLoan:
+    """The buffer of an old value its commit consumes, lent to the next round's sum: pages the
+    commit has passed stay resident for that sum's folds instead of going back to the kernel and
+    coming in fresh (each fresh page is zeroed by the kernel: a fold into fresh memory runs 3-8 x
+    slower than into resident memory, ``scripts/probe_fold.py``).
+
+    Part ``k`` (elements ``[k E, (k+1) E)``, the part size ``E`` every fragment shares) is
+    *passed* once the commit wrote its new value and no longer reads the old one. At that moment
+    the commit keeps its pages when a sum has taken the loan, else releases them (``release``,
+    the data plane's ``hostmem.release_pages``), so an untaken loan costs what consumption always
+    did. The first fold of part ``k`` into a sum on this buffer waits until part ``k`` is passed.
+    Offered (:meth:`offer`) only once the loop decided the commit consumes (``consume.py``): a kept
+    old value is never lent. Thread-safe: the commit's workers pass, the loop takes, folds wait."""
+
+    def __init__(self, buffer: torch.Tensor, part_elems: int) -> None:
+        self.buffer = buffer
+        self.part_elems = part_elems
+        self.n_parts = -(-buffer.numel() // part_elems) if buffer.numel() else 0
+        self.offered = False
+        self.taken = False
+        self._passed = [False] * self.n_parts
+        self._cond = threading.Condition()
+
+    def offer(self) -> None:
+        """The loop: the commit consumes the old value, so its buffer may be lent."""
+        self.offered = True
+
+    def take(self, numel: int) -> torch.Tensor | None:
+        """The loop: the first ``numel`` elements of the buffer for a new sum, or None when it is not
+        offered, already taken or too small. Parts passed before this keep no pages (they were
+        released): the sum's folds fault them in, as into fresh memory."""
+        with self._cond:
+            if not self.offered or self.taken or numel > self.buffer.numel():
+                return None
+            self.taken = True
+        return self.buffer[:numel]
+
+    def pass_part(self, k: int, lo: int, hi: int, release: Callable[[torch.Tensor, int, int], object]) -> None:
+        """A commit worker: part ``k`` (elements ``[lo, hi)``) of the old value is written over and
+        read no more. Its pages go (``release``) unless a sum took the loan; then waiting folds go on."""
+        with self._cond:
+            lent = self.taken
+            if lent:
+                self._passed[k] = True
+                self._cond.notify_all()
+                return
+        release(self.buffer, lo, hi)  # untaken: the pages go, as a consuming commit's always did
+        with self._cond:
+            self._passed[k] = True  # a sum that took the loan meanwhile writes into fresh pages
+            self._cond.notify_all()
+
+    @property
+    def all_passed(self) -> bool:
+        """Whether the commit passed every part (nothing is left to lend)."""
+        with self._cond:
+            return all(self._passed)
+
+    def wait_passed(self, k: int, timeout_s: float) -> bool:
+        """A fold worker: block until part ``k`` is passed (at most ``timeout_s``); whether it is.
+        Parts beyond the old value's own (a larger fragment never takes the loan) count as passed."""
+        if k >= self.n_parts:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._passed[k], timeout=timeout_s)
 
 
 @dataclass
@@ -44,11 +113,18 @@ class RoundSum:
     fold_order: list[list[int]] = field(default_factory=list)
     void: bool = False
     absmax: list[float] = field(default_factory=list)
+    loan: PageLoan | None = None
+    """The consumed old value ``flat`` lies in (:class:`PageLoan`): a part's first fold waits until
+    its commit passed it. None: ``flat`` is the sum's own memory, or every fold returned."""
+    lent: bool = False
+    """Whether ``flat`` came from a :class:`PageLoan` (kept for the event log after ``loan`` is cleared)."""
 
     def __post_init__(self) -> None:
         self.started = [False] * self.n_parts
         self.fold_order = [[] for _ in range(self.n_parts)]
         self.absmax = [math.inf] * self.n_parts
+        self.lent = self.lent or self.loan is not None
+
 
 
 @dataclass
@@ -120,6 +196,9 @@ class CommitPart:
     no part can fail) and the loop found no other reader of the value
     (``loop.SyncerLoop._submit_work``). The old value is dead after the commit either way; this
     lets its memory go while the commit runs, instead of at its end."""
+    loan: PageLoan | None = None
+    """With ``consume``: the old value's buffer as lent to the next round's sum; each part is
+    passed to it (kept or released there) instead of released here."""
 
 
 @dataclass

@@ -161,3 +161,41 @@ def test_cached_payloads_nobody_streams_are_dropped_and_a_streamed_list_keeps_th
     _commit_round_1(d, v0, m0)
     assert d.consumption.kept == 1 and torch.equal(old, before)
     assert streamed is not None
+
+
+def test_a_consuming_commit_lends_its_old_value_to_the_next_sum_and_stays_bitwise() -> None:
+    """Round 1's commit is held until the loop's check passed (``Consumption``), then a new sum asked
+    for meanwhile (``Merge.sum_buffer``, as a next round's first part does) lies in the old value's
+    buffer; the commit then passes its parts to that sum instead of releasing them, and stays bitwise
+    the numpy reference. Asked for before the check, or once the commit landed, a sum is fresh memory."""
+    d = one.started()
+    old = d.st.fragments[0].value
+    v0, m0 = one.frag_state(d)
+    one.open_round(d, 1)
+    msgs = [m for i in range(3) for m in one.pushes(i, 1)]
+    for i, m in zip([i for i in range(3) for _ in one.pushes(i, 1)], msgs):
+        d.send(one.peer(i), *m, now=1.0, run=False)
+        while (w := d.st.take_work()):  # folds run; the commit is held back for the loop's check
+            queued: list = []
+            d.consumption.route(w, queued.append)
+            for item in queued:
+                d.st.on_result(run_work(item), 1.0)
+    assert d.consumption.held, "the commit is marked consume and waits for the loop's check"
+    flat, loan = d.st.merge.sum_buffer(one.NUMEL)
+    assert loan is None  # not offered before the check
+    del flat
+    released: list = []
+    d.consumption.release(released.append)
+    assert d.consumption.consumed == 1 and all(w.consume and w.loan is not None for w in released)
+    flat, loan = d.st.merge.sum_buffer(one.NUMEL)
+    assert loan is not None and flat.data_ptr() == old.data_ptr()
+    before = old.clone()
+    for item in released:
+        d.st.on_result(run_work(item), 1.0)
+    assert d.st.versions() == (1,)
+    event = [e for e in d.st.take_events() if e.get("round") == 1][-1]
+    one.check_commit(d, v0, m0, {i: one.delta(i, 1) for i in range(3)}, event)
+    assert event["consumed"] and loan.all_passed
+    assert torch.equal(old, before)  # no page of the lent buffer was given back (they would read as zeros)
+    fresh, none = d.st.merge.sum_buffer(one.NUMEL)
+    assert none is None and fresh.data_ptr() != old.data_ptr()
