@@ -126,7 +126,6 @@ class RoundSum:
         self.lent = self.lent or self.loan is not None
 
 
-
 @dataclass
 class FoldPart:
     sum: RoundSum
