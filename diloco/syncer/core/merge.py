@@ -79,8 +79,8 @@ class Merge:
         """Memory for a new round's sum of ``numel`` elements: the buffer of an old value that a running
         commit consumes, when the loop let it be lent and it is large enough (the pages that commit
         passes stay resident for this sum: none is zeroed anew); else fresh memory (``book.fresh``)."""
-        self.loans = {f: loan for f, loan in self.loans.items()
-                      if self.book.fragments[f].committing and not loan.taken and not loan.all_passed}
+        self.loans = {f: loan for f, loan in self.loans.items()  # a taken loan left the table already
+                      if self.book.fragments[f].committing and not loan.all_passed}
         for f, loan in list(self.loans.items()):
             flat = loan.take(numel)
             if flat is not None:
@@ -330,6 +330,7 @@ class Merge:
         if r.flush:
             self.final.flushed(r.fragment)
         order = r.sum.fold_order if r.sum is not None else []
+        lent = r.sum is not None and r.sum.lent
         self.journal.events.append(
             {
                 "time": now,
@@ -346,7 +347,7 @@ class Merge:
                 # A round that changed nothing merged nothing (no weight, in any attempt): no commit time.
                 "commit_s": round(now - r.commit_started, 6) if changed else 0.0,
                 "consumed": r.consumed,
-                "sum_lent": r.sum is not None and r.sum.lent,
+                "sum_lent": lent,
             }
         )
         log.info(
@@ -355,7 +356,7 @@ class Merge:
             ", flush" if r.flush else "",
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
             "; the old value went as the commit passed it" if r.consumed else "",
-            "; the sum lay in an old value's pages" if r.sum is not None and r.sum.lent else "",
+            "; the sum lay in an old value's pages" if lent else "",
         )
         if not changed:
             return

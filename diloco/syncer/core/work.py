@@ -42,7 +42,6 @@ class PageLoan:
 
     def __init__(self, buffer: torch.Tensor, part_elems: int) -> None:
         self.buffer = buffer
-        self.part_elems = part_elems
         self.n_parts = -(-buffer.numel() // part_elems) if buffer.numel() else 0
         self.offered = False
         self.taken = False
@@ -116,14 +115,14 @@ class RoundSum:
     loan: PageLoan | None = None
     """The consumed old value ``flat`` lies in (:class:`PageLoan`): a part's first fold waits until
     its commit passed it. None: ``flat`` is the sum's own memory, or every fold returned."""
-    lent: bool = False
+    lent: bool = field(default=False, init=False)
     """Whether ``flat`` came from a :class:`PageLoan` (kept for the event log after ``loan`` is cleared)."""
 
     def __post_init__(self) -> None:
         self.started = [False] * self.n_parts
         self.fold_order = [[] for _ in range(self.n_parts)]
         self.absmax = [math.inf] * self.n_parts
-        self.lent = self.lent or self.loan is not None
+        self.lent = self.loan is not None
 
 
 @dataclass
