@@ -7,7 +7,13 @@ Every buffer that grows with the model is one of three kinds, each with a budget
   written again (a commit writes the next value where the round's sum was);
 * ``momentum``: one fp32 buffer per fragment, only with ``--outer-momentum > 0``, allocated
   zero (lazily mapped pages) by the first commit that needs it and updated in place;
-* ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments.
+* ``sums``: one running fp32 sum per open round, at most ``--max-open-rounds`` fragments;
+* ``spare``: at most one old value a consuming commit gave up while no other round had a sum,
+  kept resident for the next round's sum instead of being released (:meth:`FragmentBook.keep_spare`):
+  a sum in resident pages folds 3-8 x faster than one in fresh, kernel-zeroed pages
+  (``scripts/probe_fold.py``). It stands in for that sum, so it costs no more than the sums' budget;
+* ``reuse``: a sum may lie in an old buffer up to 1/64 larger than its fragment (:func:`reusable`),
+  so a value may too: at most ``min(largest - size, size // 64)`` bytes more per fragment.
 
 Beyond these, only parts: received parts held for the data plane (two per worker, plus zmq's
 ``RCVHWM`` per island) and a few bf16 parts per stream encoded on demand (``payloads.py``).
@@ -32,6 +38,7 @@ import torch
 from diloco.syncer.core.checks import Refused
 from diloco.syncer.core.config import SyncerConfig
 from diloco.syncer.core.records import FragmentRecord
+from diloco.syncer.core.work import REUSE_SLACK, reusable
 from diloco.wire import HostBufferPool
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,10 @@ class FragmentBook:
         must match them, so the part size chosen from them is the one a resume chooses."""
         self.fragments: list[FragmentRecord] = []
         """One record per fragment of the plan, in fragment order (empty until the layout is fixed)."""
+        self.spare: torch.Tensor | None = None
+        """An old value kept resident for the next round's sum (:meth:`keep_spare`); None: none."""
+        self.spares_kept = 0
+        self.spares_taken = 0
         self.pinned: set[int] = set()
         """Fragments an in-flight checkpoint has still to write (``unpin`` as it writes them): a commit
         with momentum does not update theirs in place."""
@@ -200,6 +211,30 @@ class FragmentBook:
             self.live_bytes -= nbytes
             self.live_buffers -= 1
 
+    def keep_spare(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` (an old value no one else reads, every page still resident) for the next
+        round's sum; it replaces any spare kept before (at most one is ever kept)."""
+        self.spare = buffer
+        self.spares_kept += 1
+
+    def take_spare(self, numel: int) -> torch.Tensor | None:
+        """The spare's first ``numel`` elements for a new sum, when :func:`reusable`; else None, and a
+        spare that does not fit this sum is let go (a fresh sum is allocated beside nothing)."""
+        spare, self.spare = self.spare, None
+        if spare is None or not reusable(spare.numel(), numel):
+            return None
+        self.spares_taken += 1
+        return spare[:numel]
+
+    def drop_spare(self) -> None:
+        """Let the spare go (its mapping goes back to the OS): no further round will open."""
+        self.spare = None
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the spare (counted in ``live_bytes``; the next sum takes them)."""
+        return self.spare.numel() * 4 if self.spare is not None else 0
+
     def ensure_momentum(self, frag: FragmentRecord) -> None:
         """Give ``frag`` its zero momentum if it has none (the first commit with momentum > 0)."""
         if frag.momentum is not None:
@@ -219,10 +254,12 @@ class FragmentBook:
             "values": sum(sizes),
             "momentum": momentum,
             "sums": min(self.config.max_open_rounds, len(sizes)) * largest,
+            "reuse": sum(min(largest - n, n // 4 // REUSE_SLACK * 4) for n in sizes),
         }
 
     def limit_bytes(self) -> int:
-        """Most bytes of fragment-sized buffers alive at once: values, momentum, ``--max-open-rounds`` sums."""
+        """Most bytes of fragment-sized buffers alive at once: values, momentum, ``--max-open-rounds`` sums
+        (a spare stands in for one of them), and the reuse slack."""
         return sum(self.budget().values())
 
     def log_budget(self) -> None:
@@ -232,11 +269,12 @@ class FragmentBook:
             return
         self._logged = True
         b = self.budget()
-        log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d); "
-                 "total <= %.1f MiB; plus parts of %.1f MiB (about 2 per island and 2 per data-plane worker held "
-                 "at once)", b["values"] / 2**20, b["momentum"] / 2**20,
-                 "" if b["momentum"] else " (--outer-momentum 0: none)", b["sums"] / 2**20,
-                 self.config.max_open_rounds, sum(b.values()) / 2**20, self.part_elems * 4 / 2**20)
+        log.info("syncer buffers: values %.1f MiB, momentum %.1f MiB%s, sums <= %.1f MiB (--max-open-rounds %d; "
+                 "one of them may be a resident spare between rounds), reuse slack <= %.1f MiB; total <= %.1f MiB; "
+                 "plus parts of %.1f MiB (about 2 per island and 2 per data-plane worker held at once)",
+                 b["values"] / 2**20, b["momentum"] / 2**20, "" if b["momentum"] else " (--outer-momentum 0: none)",
+                 b["sums"] / 2**20, self.config.max_open_rounds, b["reuse"] / 2**20, sum(b.values()) / 2**20,
+                 self.part_elems * 4 / 2**20)
 
 
 def zeros(numel: int) -> torch.Tensor:

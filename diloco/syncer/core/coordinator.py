@@ -477,6 +477,7 @@ class Coordinator:
         if expected is None:
             return
         self.final.begin(now, expected)
+        self.book.drop_spare()  # no round opens any more
         versions = self.versions()
         m = self.merged_summary()
         log.info("finalizing: FINAL %s to islands %s; merged: %s", list(versions), sorted(self.final.final_expected),

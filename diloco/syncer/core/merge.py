@@ -75,18 +75,27 @@ class Merge:
         self.loans: dict[int, PageLoan] = {}
         """Per fragment whose commit consumes its old value: that value's buffer, to lend (``PageLoan``)."""
 
-    def sum_buffer(self, numel: int) -> tuple[torch.Tensor, PageLoan | None]:
-        """Memory for a new round's sum of ``numel`` elements: the buffer of an old value that a running
-        commit consumes, when the loop let it be lent and it is large enough (the pages that commit
-        passes stay resident for this sum: none is zeroed anew); else fresh memory (``book.fresh``)."""
+    def sum_buffer(self, numel: int) -> tuple[torch.Tensor, PageLoan | None, bool]:
+        """Memory for a new round's sum of ``numel`` elements, and where it lies: the book's resident
+        spare (``FragmentBook.take_spare``; True), else the buffer of an old value a running commit
+        consumes, when the loop let it be lent and it is :func:`~diloco.syncer.core.work.reusable`
+        (the pages that commit passes stay resident for this sum; the loan), else fresh memory
+        (``book.fresh``). Only the last is zeroed anew by the kernel as the folds first touch it."""
+        spare = self.book.take_spare(numel)
+        if spare is not None:
+            return spare, None, True
         self.loans = {f: loan for f, loan in self.loans.items()  # a taken loan left the table already
-                      if self.book.fragments[f].committing and not loan.all_passed}
+                      if self.book.fragments[f].committing and (loan.keep or not loan.all_passed)}
         for f, loan in list(self.loans.items()):
             flat = loan.take(numel)
             if flat is not None:
                 del self.loans[f]
-                return flat, loan
-        return self.book.fresh(numel, "sum"), None
+                return flat, loan, False
+        return self.book.fresh(numel, "sum"), None, False
+
+    def _other_sums(self, r: RoundRecord) -> bool:
+        """Whether an open round other than ``r`` holds a sum."""
+        return any(o.sum is not None for o in self.rounds.in_order() if o is not r)
 
     def drop_laggards(self, r: RoundRecord, now: float, out: list[Out]) -> bool:
         """Apply the stall and quorum-timeout rules (``laggards.py``) to ``r``'s attempt; True when the
@@ -259,7 +268,9 @@ class Merge:
         frag.committing = True
         span = commit_span(E)
         r.sum.loan = None  # every fold of this round returned: nothing waits on its memory's old commit
-        loan = PageLoan(frag.value, E) if consume else None
+        # With no other sum alive, the old value may stay whole as the spare for the next round's sum.
+        keep = consume and self.book.spare is None and not self._other_sums(r)
+        loan = PageLoan(frag.value, E, keep) if consume else None
         if loan is not None:
             self.loans[r.fragment] = loan  # lent to the next round's sum once the loop says it consumes
         for k in range(0, n, span):
@@ -296,7 +307,10 @@ class Merge:
         """Publish ``r``'s commit (``changed``: a new version; else the round merged nothing): ledgers,
         the event, the round retired, and the new value to every island that has its cut."""
         frag = self.book.fragments[r.fragment]
-        self.loans.pop(r.fragment, None)  # its old value is passed whole: nothing more to lend
+        loan = self.loans.pop(r.fragment, None)  # its old value is passed whole: nothing more to lend
+        spare = loan.spare if loan is not None and changed else None
+        if spare is not None and not self._other_sums(r):
+            self.book.keep_spare(spare)  # resident for the next round's sum, within the budget of one sum
         pushes = [r.pushes[i] for i in sorted(r.pushes)]
         if changed:
             assert r.sum is not None
@@ -331,6 +345,7 @@ class Merge:
             self.final.flushed(r.fragment)
         order = r.sum.fold_order if r.sum is not None else []
         lent = r.sum is not None and r.sum.lent
+        spared = r.sum is not None and r.sum.spare
         self.journal.events.append(
             {
                 "time": now,
@@ -348,6 +363,7 @@ class Merge:
                 "commit_s": round(now - r.commit_started, 6) if changed else 0.0,
                 "consumed": r.consumed,
                 "sum_lent": lent,
+                "sum_spare": spared,
             }
         )
         log.info(
@@ -356,7 +372,7 @@ class Merge:
             ", flush" if r.flush else "",
             f" in {frag.commit_s:.3f}s ({self.merge_stats[0]:.2f} GB/s)" if changed and self.merge_stats else "",
             "; the old value went as the commit passed it" if r.consumed else "",
-            "; the sum lay in an old value's pages" if lent else "",
+            "; the sum lay in an old value's pages" if lent else "; the sum lay in the resident spare" if spared else "",
         )
         if not changed:
             return

@@ -130,8 +130,8 @@ class Pushes:
             self.merge.maybe_start_grace(r, now)
             return
         if r.sum is None:
-            flat, loan = self.merge.sum_buffer(frag.layout.numel)
-            r.sum = RoundSum(r.round, r.attempt, r.fragment, flat, frag.layout.n_parts(E), loan=loan)
+            flat, loan, spare = self.merge.sum_buffer(frag.layout.numel)
+            r.sum = RoundSum(r.round, r.attempt, r.fragment, flat, frag.layout.n_parts(E), loan=loan, spare=spare)
         lo, hi = frag.layout.part_range(h.part, E)
         r.sum.fold_order[h.part].append(h.island)
         push.next_part += 1

@@ -81,10 +81,12 @@ class RoundBook:
 
     def fits(self, fragment: int) -> bool:
         """Whether one more buffer of ``fragment``'s size fits the fragment buffers' budget, counting the
-        buffers alive now and the sums of open rounds that are still to be allocated."""
+        buffers alive now and the sums of open rounds that are still to be allocated; the book's spare
+        counts as free (the next sum takes it, or it is let go)."""
         sizes = {f.index: f.layout.numel * 4 for f in self.book.fragments if f.layout is not None}
         pending = sum(sizes.get(r.fragment, 0) for r in self.rounds.values() if r.sum is None)
-        return self.book.live_bytes + pending + sizes.get(fragment, 0) <= self.book.limit_bytes()
+        alive = self.book.live_bytes - self.book.spare_bytes
+        return alive + pending + sizes.get(fragment, 0) <= self.book.limit_bytes()
 
     def sum_fits(self, fragment: int, now: float) -> bool:
         """Whether a new round of ``fragment`` fits the fragment buffers' budget (``book.FragmentBook``):

@@ -22,8 +22,19 @@ from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart",
+__all__ = ["REUSE_SLACK", "reusable", "COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart",
            "InitPart", "PageLoan", "Result", "RoundSum", "Work"]
+
+
+REUSE_SLACK = 64
+"""A buffer of ``n`` elements may hold a sum of ``m <= n <= m + m // REUSE_SLACK`` elements (:func:`reusable`)."""
+
+
+def reusable(have: int, want: int) -> bool:
+    """Whether an old buffer of ``have`` elements may hold a new sum of ``want``: large enough and at
+    most 1/:data:`REUSE_SLACK` larger, so the bytes a value can hold beyond its own size are bounded
+    (``FragmentBook.budget()["reuse"]``)."""
+    return want <= have <= want + want // REUSE_SLACK
 
 
 class PageLoan:
@@ -34,14 +45,18 @@ class PageLoan:
 
     Part ``k`` (elements ``[k E, (k+1) E)``, the part size ``E`` every fragment shares) is
     *passed* once the commit wrote its new value and no longer reads the old one. At that moment
-    the commit keeps its pages when a sum has taken the loan, else releases them (``release``,
-    the data plane's ``hostmem.release_pages``), so an untaken loan costs what consumption always
-    did. The first fold of part ``k`` into a sum on this buffer waits until part ``k`` is passed.
+    the commit keeps its pages when a sum has taken the loan or the loan is ``keep`` (no other
+    round had a sum when the commit started, so the whole buffer may stay as the book's spare,
+    ``FragmentBook.keep_spare``, within the budget of one sum); else it releases them
+    (``release``, the data plane's ``hostmem.release_pages``), as consumption always did. The
+    first fold of part ``k`` into a sum on this buffer waits until part ``k`` is passed.
     Offered (:meth:`offer`) only once the loop decided the commit consumes (``consume.py``): a kept
     old value is never lent. Thread-safe: the commit's workers pass, the loop takes, folds wait."""
 
-    def __init__(self, buffer: torch.Tensor, part_elems: int) -> None:
+    def __init__(self, buffer: torch.Tensor, part_elems: int, keep: bool = False) -> None:
         self.buffer = buffer
+        self.keep = keep
+        """Keep every passed part's pages even untaken: the buffer becomes the spare once the commit lands."""
         self.n_parts = -(-buffer.numel() // part_elems) if buffer.numel() else 0
         self.offered = False
         self.taken = False
@@ -54,20 +69,20 @@ class PageLoan:
 
     def take(self, numel: int) -> torch.Tensor | None:
         """The loop: the first ``numel`` elements of the buffer for a new sum, or None when it is not
-        offered, already taken or too small. Parts passed before this keep no pages (they were
-        released): the sum's folds fault them in, as into fresh memory."""
+        offered, already taken or not :func:`reusable` for ``numel``. Parts passed before this keep no
+        pages unless the loan is ``keep`` (they were released): the sum's folds fault them in."""
         with self._cond:
-            if not self.offered or self.taken or numel > self.buffer.numel():
+            if not self.offered or self.taken or not reusable(self.buffer.numel(), numel):
                 return None
             self.taken = True
         return self.buffer[:numel]
 
     def pass_part(self, k: int, lo: int, hi: int, release: Callable[[torch.Tensor, int, int], object]) -> None:
         """A commit worker: part ``k`` (elements ``[lo, hi)``) of the old value is written over and
-        read no more. Its pages go (``release``) unless a sum took the loan; then waiting folds go on."""
+        read no more. Its pages go (``release``) unless a sum took the loan or it is ``keep``; then
+        waiting folds go on."""
         with self._cond:
-            lent = self.taken
-            if lent:
+            if self.taken or self.keep:
                 self._passed[k] = True
                 self._cond.notify_all()
                 return
@@ -75,6 +90,14 @@ class PageLoan:
         with self._cond:
             self._passed[k] = True  # a sum that took the loan meanwhile writes into fresh pages
             self._cond.notify_all()
+
+    @property
+    def spare(self) -> torch.Tensor | None:
+        """Once every part is passed: the whole resident buffer when the loan is ``keep``, offered and
+        untaken (for ``FragmentBook.keep_spare``); else None."""
+        with self._cond:
+            whole = self.keep and self.offered and not self.taken and all(self._passed)
+        return self.buffer if whole else None
 
     @property
     def all_passed(self) -> bool:
@@ -117,6 +140,8 @@ class RoundSum:
     its commit passed it. None: ``flat`` is the sum's own memory, or every fold returned."""
     lent: bool = field(default=False, init=False)
     """Whether ``flat`` came from a :class:`PageLoan` (kept for the event log after ``loan`` is cleared)."""
+    spare: bool = False
+    """Whether ``flat`` is the book's resident spare (``FragmentBook.take_spare``)."""
 
     def __post_init__(self) -> None:
         self.started = [False] * self.n_parts

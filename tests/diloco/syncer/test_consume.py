@@ -8,6 +8,8 @@ holding a view keeps the old value whole, and a cut or resend of the fragment wa
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from diloco.syncer.encoded import EncodedCache
 from diloco.syncer.payloads import lease, payload_source
 
 import test_parts_state as one  # one fragment of 7 parts, momentum 0.9, three islands, quorum 2
+import test_state as two  # two fragments (3 parts and 1), three islands
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,15 +69,48 @@ def test_release_pages_frees_whole_pages_inside_the_range_only() -> None:
     assert release_pages(t, 10, 20) == 0  # no whole page inside
 
 
-def test_a_commit_nobody_else_reads_gives_the_old_value_back_and_stays_bitwise() -> None:
+def test_a_commit_nobody_else_reads_keeps_its_old_value_as_the_spare_for_the_next_sum() -> None:
+    """No other round holds a sum when round 1 commits: the consumed old value keeps every page (the
+    book's spare, counted as free by the budget), round 2's sum lies in it, and both commits are
+    bitwise the numpy reference."""
     d = one.started()
     old = d.st.fragments[0].value  # the same tensor object (no view: the check cannot see it)
     v0, m0 = one.frag_state(d)
     _commit_round_1(d, v0, m0)  # bitwise the numpy reference
     assert d.consumption.consumed == 1 and d.consumption.kept == 0 and event_consumed(d)
-    # Whole pages inside every part of the old value were given back (they read as zeros now).
-    assert int((old.numpy() == 0).sum()) > old.numel() // 2
-    assert not d.st.fragments[0].consuming
+    book = d.st.book
+    assert book.spare is not None and book.spare.data_ptr() == old.data_ptr() and book.spare_bytes == one.NUMEL * 4
+    assert np.array_equal(old.numpy().view(np.uint32), v0.view(np.uint32))  # no page was given back
+    assert not d.st.fragments[0].consuming and d.st.roundbook.fits(0)
+    v1, m1 = one.frag_state(d)
+    round1 = d.st.fragments[0].value
+    one.open_round(d, 2)
+    for i in range(3):
+        d.send_all(one.peer(i), one.pushes(i, 2, base=1), now=2.0)
+    assert d.st.versions() == (2,) and d.st.fragments[0].value.data_ptr() == old.data_ptr()
+    event = [e for e in d.st.take_events() if e.get("round") == 2][-1]
+    assert event["sum_spare"] and not event["sum_lent"] and event["consumed"]
+    one.check_commit(d, v1, m1, {i: one.delta(i, 2) for i in range(3)}, event)
+    assert book.spare is not None and book.spare.data_ptr() == round1.data_ptr() and book.spares_taken == 1
+
+
+def test_a_commit_while_another_round_holds_a_sum_keeps_no_spare() -> None:
+    """Two fragments: round 2 (fragment 1) has its sum when round 1 (fragment 0) commits, so the old
+    value of fragment 0 goes page by page; values + two sums, never a third buffer."""
+    d = two.started(dataclasses.replace(two.CFG, checkpoint_every=0))
+    old = d.st.fragments[0].value
+    v0, m0 = two.value(d, 0), two.momentum(d, 0)
+    for i in range(2):
+        d.send(two.peer(i), two.hb(i, 4), now=1.0)  # rounds 1 and 2 open
+    assert {1, 2} <= set(d.st.rounds)
+    d.send_all(two.peer(0), two.pushes(0, 2, 1), now=1.0)  # round 2's sum exists
+    assert d.st.rounds[2].sum is not None
+    for i in range(3):
+        d.send_all(two.peer(i), two.pushes(i, 1, 0), now=1.0)
+    event = [e for e in d.st.take_events() if e.get("round") == 1][-1]
+    two.check_commit(d, 0, v0, m0, {i: two.delta(0, i * 100 + 1) for i in range(3)}, event)
+    assert event["consumed"] and d.st.book.spare is None
+    assert int((old.numpy() == 0).sum()) > 0  # whole pages inside its parts went back
 
 
 def test_a_reader_with_a_view_keeps_the_old_value_whole() -> None:
@@ -181,13 +217,13 @@ def test_a_consuming_commit_lends_its_old_value_to_the_next_sum_and_stays_bitwis
             for item in queued:
                 d.st.on_result(run_work(item), 1.0)
     assert d.consumption.held, "the commit is marked consume and waits for the loop's check"
-    flat, loan = d.st.merge.sum_buffer(one.NUMEL)
+    flat, loan, _spare = d.st.merge.sum_buffer(one.NUMEL)
     assert loan is None  # not offered before the check
     del flat
     released: list = []
     d.consumption.release(released.append)
     assert d.consumption.consumed == 1 and all(w.consume and w.loan is not None for w in released)
-    flat, loan = d.st.merge.sum_buffer(one.NUMEL)
+    flat, loan, _spare = d.st.merge.sum_buffer(one.NUMEL)
     assert loan is not None and flat.data_ptr() == old.data_ptr()
     before = old.clone()
     for item in released:
@@ -197,5 +233,5 @@ def test_a_consuming_commit_lends_its_old_value_to_the_next_sum_and_stays_bitwis
     one.check_commit(d, v0, m0, {i: one.delta(i, 1) for i in range(3)}, event)
     assert event["consumed"] and loan.all_passed
     assert torch.equal(old, before)  # no page of the lent buffer was given back (they would read as zeros)
-    fresh, none = d.st.merge.sum_buffer(one.NUMEL)
-    assert none is None and fresh.data_ptr() != old.data_ptr()
+    fresh, none, spare = d.st.merge.sum_buffer(one.NUMEL)
+    assert none is None and not spare and fresh.data_ptr() != old.data_ptr()

@@ -33,8 +33,9 @@ def test_a_loan_is_lent_only_once_offered_and_never_twice_or_too_small() -> None
     assert loan.take(E) is None  # the loop has not decided the commit consumes
     loan.offer()
     assert loan.take(4 * E) is None  # a larger fragment's sum does not fit
-    flat = loan.take(2 * E + 5)
-    assert flat is not None and flat.numel() == 2 * E + 5 and flat.data_ptr() == loan.buffer.data_ptr()
+    assert loan.take(2 * E + 5) is None  # nor one more than 1/64 smaller (the reuse slack bounds the budget)
+    flat = loan.take(3 * E - 100)
+    assert flat is not None and flat.numel() == 3 * E - 100 and flat.data_ptr() == loan.buffer.data_ptr()
     assert loan.take(E) is None  # taken
 
 
@@ -49,6 +50,18 @@ def test_an_untaken_loan_releases_each_part_and_a_taken_one_keeps_the_rest() -> 
     loan.pass_part(2, 2 * E, 3 * E, release)
     assert seen == [(0, E)] and loan.all_passed  # the taker's parts keep their pages
     assert loan.wait_passed(0, 0.0) and loan.wait_passed(2, 0.0) and loan.wait_passed(7, 0.0)
+
+
+def test_a_keep_loan_releases_nothing_and_is_the_spare_only_whole_offered_and_untaken() -> None:
+    seen, release = _releases()
+    loan = PageLoan(torch.zeros(2 * E), E, keep=True)
+    loan.pass_part(0, 0, E, release)
+    assert seen == [] and loan.spare is None  # part 1 is not passed yet
+    loan.pass_part(1, E, 2 * E, release)
+    assert seen == [] and loan.spare is None  # never offered: the loop kept the old value for a reader
+    loan.offer()
+    assert loan.spare is loan.buffer
+    assert loan.take(2 * E) is not None and loan.spare is None  # a taken loan is the taker's sum
 
 
 def test_a_fold_into_a_lent_sum_waits_for_the_commit_and_equals_a_fold_into_fresh_memory(
