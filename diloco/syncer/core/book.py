@@ -1,6 +1,6 @@
 """Where the syncer's memory goes: the buffers of the fragments' state, allocated and accounted here.
 
-Every buffer that grows with the model is one of three kinds, each with a budget
+Every buffer that grows with the model is one of these kinds, each with a budget
 (docs/ARCHITECTURE.md, "Memory"), logged with its size once the fragments are known:
 
 * ``values``: one fp32 value per fragment (4 B/param), always; a published value is never
@@ -84,7 +84,6 @@ class FragmentBook:
         """One record per fragment of the plan, in fragment order (empty until the layout is fixed)."""
         self.spare: torch.Tensor | None = None
         """An old value kept resident for the next round's sum (:meth:`keep_spare`); None: none."""
-        self.spares_kept = 0
         self.spares_taken = 0
         self.pinned: set[int] = set()
         """Fragments an in-flight checkpoint has still to write (``unpin`` as it writes them): a commit
@@ -215,11 +214,10 @@ class FragmentBook:
         """Keep ``buffer`` (an old value no one else reads, every page still resident) for the next
         round's sum; it replaces any spare kept before (at most one is ever kept)."""
         self.spare = buffer
-        self.spares_kept += 1
 
     def take_spare(self, numel: int) -> torch.Tensor | None:
         """The spare's first ``numel`` elements for a new sum, when :func:`reusable`; else None, and a
-        spare that does not fit this sum is let go (a fresh sum is allocated beside nothing)."""
+        spare that does not fit this sum is let go (the caller allocates a fresh sum instead of it)."""
         spare, self.spare = self.spare, None
         if spare is None or not reusable(spare.numel(), numel):
             return None

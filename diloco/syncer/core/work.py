@@ -22,8 +22,8 @@ from diloco.syncer.core.robust import PartBound
 from diloco.wire import Opened, Payload
 from diloco.wire.parts import FragmentLayout
 
-__all__ = ["REUSE_SLACK", "reusable", "COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan", "EncodePart", "FoldPart",
-           "InitPart", "PageLoan", "Result", "RoundSum", "Work"]
+__all__ = ["REUSE_SLACK", "reusable", "COMMIT_SPAN_ELEMS", "CommitPart", "commit_span", "DigestFragment", "DigestSpan",
+           "EncodePart", "FoldPart", "InitPart", "PageLoan", "Result", "RoundSum", "Work"]
 
 
 REUSE_SLACK = 64
