@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from diloco.digest import checkpoint_digests
+from diloco.protocol.schedule import Schedule
 from diloco.steplog import read_steplog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
@@ -126,20 +127,30 @@ def test_two_islands_tp2_pp2_end_identical(tmp_path: Path) -> None:
     assert len(changed) >= 3, commits
     assert all(sorted(c["pushed"]) == [0, 1] for c in changed), changed
     assert sum(final_versions) >= len(changed)
-    # Every step of every island merged in a training round, none left to the flush: the islands
-    # finish inside their last on_step_end (reporting the last step and the end at once), and the
-    # round due at that step still opens as a training round. (Which training round carries which
-    # steps depends on timing: an island ahead of the round clock pushes more steps in one round and
-    # none in the next; the sum per island and fragment does not.)
+    # Every scheduled round opened as a training round (the islands finish inside their last
+    # on_step_end, reporting the last step and the end at once, so the round due at that step is
+    # not left to the flush), then one flush round per fragment. Every step of every island merged
+    # exactly once, and the flush carries only what the schedule leaves to it: fragment f's steps
+    # after its last training round opened (an island pushes a round at a boundary at or after its
+    # opening step, since the clock is the slowest island). Which round carries which steps depends
+    # on timing (an island ahead of the clock pushes more steps in one round and none in the next);
+    # these sums and bounds do not.
+    sched = Schedule(SYNC_EVERY, FRAGMENTS, STEPS)
     summary = [e["summary"] for line in events.read_text().splitlines() if line.strip()
                and "summary" in (e := json.loads(line))]
     assert len(summary) == 1, summary
-    assert summary[0]["scheduled_rounds"] == FRAGMENTS * STEPS // SYNC_EVERY, summary
-    assert summary[0]["changed_in_flush"] == 0, summary
+    assert summary[0]["scheduled_rounds"] == sched.scheduled_rounds == FRAGMENTS * STEPS // SYNC_EVERY, summary
+    training = [c for c in commits if not c["flush"]]
+    assert sorted(c["round"] for c in training) == list(range(1, sched.scheduled_rounds + 1)), commits
+    assert sorted(c["fragment"] for c in commits if c["flush"]) == list(range(FRAGMENTS)), commits
     for i in (0, 1):
+        tokens = results[i][0]["tokens_per_step"]
         for f in range(FRAGMENTS):
-            merged = sum(c["weights"][str(i)] for c in commits if c["fragment"] == f and not c["flush"])
-            assert merged == STEPS * results[i][0]["tokens_per_step"], (i, f, commits)
+            merged = sum(c["weights"][str(i)] for c in commits if c["fragment"] == f)
+            assert merged == STEPS * tokens, (i, f, commits)
+            last_open = max(sched.opening_step(c["round"]) for c in training if c["fragment"] == f)
+            flushed = sum(c["weights"][str(i)] for c in commits if c["fragment"] == f and c["flush"])
+            assert flushed <= (STEPS - last_open) * tokens, (i, f, last_open, commits)
 
     # Only the sync rank (rank 0) holds digests; both islands' digests agree with each other
     # and with the syncer's final checkpoint.
